@@ -1,0 +1,28 @@
+# Each target bootstraps .venv: the pinned CPU build of torch first (a bare
+# `torch` would pull a multi-GB CUDA build), then the project with test extras.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.zhflow-installed
+
+.PHONY: run test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)        ## the default pipeline on the built-in corpus
+	$(BIN)/zhflow run $(ARGS)
+
+test: $(STAMP)       ## the whole suite, slow tests included
+	$(BIN)/python -m pytest $(ARGS)
+
+test-fast: $(STAMP)  ## unit tests only
+	$(BIN)/python -m pytest -m "not slow" $(ARGS)
+
+clean:
+	rm -rf .zhflow mlflow.db mlruns
