@@ -1,0 +1,1 @@
+"""Prefect tasks: thin wrappers around training/ that add caching, retries and MLflow runs."""

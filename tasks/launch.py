@@ -1,0 +1,118 @@
+"""The torchrun launcher: builds the command, streams the workers' output into
+the Prefect log as it comes, mirrors progress into a Prefect progress artifact,
+and always leaves no process behind.
+
+One machine:   torchrun --standalone --nproc-per-node N --max-restarts R -m training.worker --config job.json
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import torch
+from prefect import get_run_logger
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+from training.config import WorkerJob
+
+_PROGRESS = re.compile(r"epoch (\d+)/(\d+) \[\s*(\d+)%\]")
+_ERROR_LINE = re.compile(r"^\s*(\w+\.)*\w*(Error|Exception|Interrupt)\b.*")
+
+
+class TrainingFailed(RuntimeError):
+    pass
+
+
+def available_devices() -> tuple[str, int]:
+    if torch.cuda.is_available():
+        return "cuda", torch.cuda.device_count()
+    return "cpu", os.cpu_count() or 1
+
+
+def resolve_nproc(requested: int | None) -> int:
+    """Default: one process per GPU, or per CPU core on a CPU machine."""
+    kind, count = available_devices()
+    if requested is None:
+        return count
+    if kind == "cuda" and requested > count:
+        raise ValueError(f"train.nproc={requested} but this machine has {count} GPU(s)")
+    return requested
+
+
+def torchrun_command(job_file: Path, nproc: int, max_restarts: int) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone",  # rendezvous on a free local port: parallel runs never collide
+        "--nproc-per-node", str(nproc),
+        "--max-restarts", str(max_restarts),
+        "-m", "training.worker", "--config", str(job_file),
+    ]
+
+
+def _error_summary(tail: list[str]) -> str:
+    errors = [line.strip() for line in tail if _ERROR_LINE.match(line)]
+    return errors[-1] if errors else (tail[-1].strip() if tail else "no output")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        except ProcessLookupError:
+            return
+
+
+def launch_training(job: WorkerJob, nproc: int | None, max_restarts: int) -> dict:
+    """Run the worker under torchrun and return its result.json; a failure raises with the worker's error."""
+    logger = get_run_logger()
+    nproc = resolve_nproc(nproc)
+    out_dir = Path(job.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    job_file = out_dir / "job.json"
+    job_file.write_text(job.model_dump_json(indent=2))
+    cmd = torchrun_command(job_file, nproc, max_restarts)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MLFLOW_TRACKING_URI=mlflow.get_tracking_uri())
+    if job.mlflow_run_id:
+        env["MLFLOW_RUN_ID"] = job.mlflow_run_id
+    if available_devices()[0] == "cpu":
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    logger.info("launching: %s", " ".join(cmd))
+    artifact = create_progress_artifact(progress=0.0, key=f"{job.stage}-progress", description=f"{job.stage}: epochs done")
+    tail: collections.deque[str] = collections.deque(maxlen=200)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            env=env, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip()
+            tail.append(line)
+            logger.info(line)
+            if m := _PROGRESS.search(line):
+                epoch, epochs, pct = (int(g) for g in m.groups())
+                update_progress_artifact(artifact, progress=round(100 * (epoch - 1 + pct / 100) / epochs, 1))
+        rc = proc.wait()
+    finally:
+        _stop(proc)  # also on cancellation or an exception in this process: no orphaned workers
+    if rc != 0:
+        raise TrainingFailed(
+            f"{job.stage}: torchrun exited with code {rc}: {_error_summary(list(tail))}\n"
+            + "\n".join(list(tail)[-30:])
+        )
+    result_file = out_dir / "result.json"
+    if not result_file.is_file():
+        raise TrainingFailed(f"{job.stage}: the worker exited cleanly but wrote no {result_file}")
+    return json.loads(result_file.read_text())

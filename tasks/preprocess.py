@@ -1,0 +1,75 @@
+"""Preprocessing task: cached on (dataset digest, data + preprocess settings, code version)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+from prefect import get_run_logger, task
+
+import training.data
+import training.text
+from training.config import DataConfig, PreprocessConfig
+from training.data.prepare import MANIFEST, prepare_dataset
+from training.data.readers import dataset_digest
+from tasks.tracking import stage_run, work_root
+
+
+def code_version() -> str:
+    """Digest of the preprocessing code itself: editing it invalidates the cache."""
+    h = hashlib.sha256()
+    for package in (training.text, training.data):
+        for path in sorted(Path(package.__file__).parent.glob("*")):
+            if path.suffix in (".py", ".txt"):
+                h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def preprocess_key(data: DataConfig, pre: PreprocessConfig) -> str:
+    payload = json.dumps(
+        {"dataset": dataset_digest(data.dataset), "data": data.model_dump(exclude={"dataset"}), "pre": pre.model_dump(),
+         "code": code_version()},
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:20]
+
+
+@task(name="prepare-data", persist_result=True, cache_key_fn=lambda ctx, p: f"zhflow-prepare-{p['out_dir']}")
+def prepare_data(data: DataConfig, pre: PreprocessConfig, out_dir: str) -> dict:
+    manifest = prepare_dataset(data, pre, out_dir, progress=True)
+    return {"path": out_dir, "manifest": manifest}
+
+
+@task(name="preprocess")
+def preprocess(data: DataConfig, pre: PreprocessConfig, parent: dict) -> dict:
+    """Prepare (or reuse) the dataset folder and record it in a nested ``preprocess`` run."""
+    logger = get_run_logger()
+    out_dir = work_root() / "prepared" / preprocess_key(data, pre)
+    fresh = not (out_dir / MANIFEST).is_file()  # the folder is gone: the cache entry is stale
+    with stage_run(parent, "preprocess") as run:
+        state = prepare_data.with_options(refresh_cache=fresh)(data, pre, str(out_dir), return_state=True)
+        prepared = state.result()
+        manifest = prepared["manifest"]
+        cached = state.is_completed() and state.name == "Cached"
+        mlflow.set_tags({"cache_hit": str(cached).lower(), "prepared_dir": prepared["path"]})
+        mlflow.log_metrics({f"count_{k}": v for k, v in manifest["counts"].items()}
+                           | {f"{s}_texts": v["n"] for s, v in manifest["splits"].items()}
+                           | {"vocab_size": manifest["vocab_size"]})
+        mlflow.log_dict(manifest, "manifest.json")
+        for split, context in (("train", "training"), ("val", "validation"), ("test", "testing")):
+            frame = pd.read_json(Path(prepared["path"]) / f"{split}.jsonl", lines=True)[["clean", "label"]]
+            dataset = mlflow.data.from_pandas(frame, source=prepared["path"], targets="label",
+                                              name=f"{Path(manifest['dataset']['name']).name}-{split}",
+                                              digest=manifest["splits"][split]["digest"][:16])
+            mlflow.log_input(dataset, context=context)
+        c = manifest["counts"]
+        logger.info(
+            "%s: %d read, %d empty, %d duplicates and %d conflicting-label rows dropped -> %s; vocabulary %d%s",
+            manifest["dataset"]["name"], c["read"], c["empty_dropped"], c["duplicates_dropped"], c["conflict_rows_dropped"],
+            ", ".join(f"{s} {v['n']}" for s, v in manifest["splits"].items()), manifest["vocab_size"],
+            " (cached)" if cached else "",
+        )
+        return {**prepared, "run_id": run.info.run_id, "cached": cached}

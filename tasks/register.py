@@ -1,0 +1,94 @@
+"""Registration task: log the pyfunc model, register it, move the ``champion`` alias only on a win.
+
+The champion is compared on the *same* test split: when the current champion
+was scored on another split, it is re-scored on this one before comparing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+from mlflow.exceptions import MlflowException
+from mlflow.models import infer_signature
+from mlflow.tracking import MlflowClient
+from prefect import get_run_logger, task
+from sklearn.metrics import f1_score
+
+import training
+from training.config import PipelineConfig
+from training.data.prepare import load_manifest
+from training.inference import TextClassifier
+from tasks.tracking import stage_run
+
+EXAMPLE = ["这本书非常好看，值得一读", "质量太差了，很失望"]
+F1_TAG, SPLIT_TAG = "test_macro_f1", "test_content_digest"
+
+
+def _requirements() -> list[str]:
+    names = ("torch", "mlflow", "jieba", "numpy", "pandas", "pydantic", "scikit-learn")
+    return [f"{n}=={metadata.version(n)}" for n in names]
+
+
+def _champion_f1_on(client: MlflowClient, name: str, version, prepared: dict, digest: str) -> float:
+    if version.tags.get(SPLIT_TAG) == digest and F1_TAG in version.tags:
+        return float(version.tags[F1_TAG])
+    test = pd.read_json(Path(prepared["path"]) / "test.jsonl", lines=True)
+    predicted = mlflow.pyfunc.load_model(f"models:/{name}/{version.version}").predict(test[["text"]])
+    return float(f1_score(test["label"], predicted["label"], average="macro"))
+
+
+@task(name="register")
+def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, parent: dict) -> dict:
+    logger = get_run_logger()
+    name = config.registry.model_name
+    manifest = load_manifest(prepared["path"])
+    digest = manifest["splits"]["test"]["content_digest"]
+    f1 = evaluated["metrics"]["test_macro_f1"]
+    with stage_run(parent, "register") as run, tempfile.TemporaryDirectory() as tmp:
+        meta = Path(tmp) / "meta.json"
+        meta.write_text(json.dumps({"labels": manifest["labels"], "preprocess": config.preprocess.model_dump()},
+                                   ensure_ascii=False))
+        checkpoint = Path(tmp) / "model.pt"
+        shutil.copy(evaluated["checkpoint"], checkpoint)
+        shutil.copy(evaluated["checkpoint"] + ".json", str(checkpoint) + ".json")
+        artifacts = {"checkpoint": str(checkpoint), "checkpoint_sidecar": str(checkpoint) + ".json",
+                     "vocab": str(Path(prepared["path"]) / "vocab.json"), "meta": str(meta)}
+        example = pd.DataFrame({"text": EXAMPLE})
+        classifier = TextClassifier()
+        classifier.load_context(type("Ctx", (), {"artifacts": artifacts})())
+        signature = infer_signature(example, classifier.predict(None, example))
+        info = mlflow.pyfunc.log_model(
+            name="model", python_model=classifier, artifacts=artifacts, signature=signature, input_example=example,
+            pip_requirements=_requirements(), code_paths=[str(Path(training.__file__).parent)],
+            registered_model_name=name if config.registry.enabled else None,
+        )
+        result = {"name": name, "version": None, "uri": info.model_uri, "alias": None, "run_id": run.info.run_id}
+        if not config.registry.enabled:
+            return result
+        client = MlflowClient()
+        version = info.registered_model_version
+        for key, value in {F1_TAG: f"{f1:.6f}", SPLIT_TAG: digest, "parent_run_id": parent["run_id"]}.items():
+            client.set_model_version_tag(name, str(version), key, value)
+        try:
+            champion = client.get_model_version_by_alias(name, "champion")
+        except MlflowException:
+            champion = None
+        if champion is None:
+            alias, reason = "champion", "first model"
+        else:
+            champion_f1 = _champion_f1_on(client, name, champion, prepared, digest)
+            mlflow.log_metric("champion_test_macro_f1", champion_f1)
+            if f1 > champion_f1:
+                alias, reason = "champion", f"beats version {champion.version} ({f1:.4f} > {champion_f1:.4f})"
+            else:
+                alias, reason = "challenger", f"does not beat version {champion.version} ({f1:.4f} <= {champion_f1:.4f})"
+        client.set_registered_model_alias(name, alias, str(version))
+        mlflow.set_tags({"registered_model": name, "model_version": str(version), "alias": alias, "alias_reason": reason})
+        logger.info("registered %s version %s as %s: %s", name, version, alias, reason)
+        return {**result, "version": str(version), "uri": f"models:/{name}/{version}", "alias": alias}

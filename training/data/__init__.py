@@ -1,0 +1,1 @@
+"""Dataset readers, deduplication, splits, vocabulary and encoding."""

@@ -1,0 +1,68 @@
+"""Process-group setup and cleanup, as one pair.
+
+Under torchrun, RANK/LOCAL_RANK/WORLD_SIZE are set; run plainly, the worker
+is a world of one. The backend follows the device: nccl on CUDA, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:  # this process logs and checkpoints
+        return self.rank == 0
+
+    @property
+    def ddp(self) -> bool:
+        return self.world_size > 1
+
+
+def setup() -> DistInfo:
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
+    return DistInfo(rank, local_rank, world_size, device)
+
+
+def cleanup() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_gather_objects(obj, info: DistInfo) -> list:
+    if not info.ddp:
+        return [obj]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_flag(flag: bool, info: DistInfo) -> bool:
+    """Rank 0's decision, seen by every rank (e.g. early stopping)."""
+    if not info.ddp:
+        return flag
+    t = torch.tensor([int(flag)], device=info.device)
+    dist.broadcast(t, src=0)
+    return bool(t.item())

@@ -1,0 +1,43 @@
+"""Batched MLflow metric logging for rank 0; a null logger for the other ranks.
+
+Metrics are buffered and sent with one ``log_batch`` call per flush (once per
+epoch), not one request per step.
+"""
+
+from __future__ import annotations
+
+import time
+
+from mlflow.entities import Metric
+from mlflow.tracking import MlflowClient
+
+_MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch request
+
+
+class MetricLogger:
+    def __init__(self, run_id: str, client: MlflowClient | None = None):
+        self.run_id = run_id
+        self.client = client or MlflowClient()
+        self._buffer: list[Metric] = []
+
+    def add(self, step: int, **values: float) -> None:
+        now = int(time.time() * 1000)
+        self._buffer.extend(Metric(key, float(value), now, int(step)) for key, value in values.items())
+
+    def set_tag(self, key: str, value: str) -> None:
+        self.client.set_tag(self.run_id, key, value)
+
+    def flush(self) -> None:
+        while self._buffer:
+            batch, self._buffer = self._buffer[:_MAX_BATCH], self._buffer[_MAX_BATCH:]
+            self.client.log_batch(self.run_id, metrics=batch)
+
+
+class NullLogger:
+    """What ranks other than 0 get, so the loop needs no ``if rank == 0`` around each log."""
+
+    def add(self, step: int, **values: float) -> None: ...
+
+    def set_tag(self, key: str, value: str) -> None: ...
+
+    def flush(self) -> None: ...

@@ -1,0 +1,1 @@
+"""Text cleaning, segmentation and stop words."""

@@ -1,0 +1,229 @@
+"""The training worker: plain PyTorch DDP, started by torchrun.
+
+    torchrun --standalone --nproc-per-node 2 -m training.worker --config job.json   # DDP, 2 processes
+    python -m training.worker --config job.json                                   # one process
+
+``job.json`` is a ``training.config.WorkerJob``. Rank 0 logs to MLflow (run id
+from the job or MLFLOW_RUN_ID), writes checkpoints and ``result.json``. After a
+restart (torchrun --max-restarts) it resumes from ``last.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from sklearn.metrics import accuracy_score, f1_score
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.utils import prune as torch_prune
+from torch.utils.data import DataLoader, DistributedSampler
+
+from training import distributed
+from training.checkpoint import load_checkpoint, save_checkpoint
+from training.config import WorkerJob
+from training.data.dataset import EncodedSplit, pad_batch
+from training.data.prepare import load_manifest
+from training.evaluate import predict_proba
+from training.models import build_model, min_input_len
+from training.prune import prunable_weights
+from training.metric_logger import MetricLogger, NullLogger
+
+
+def lr_lambda(step: int, total: int, warmup: int) -> float:
+    """Linear warm-up, then linear decay to zero."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def masked_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy with pruning masks folded into plain weights (what gets saved)."""
+    clean = copy.deepcopy(model)
+    for module, name in prunable_weights(clean, include_embedding=True):
+        if torch_prune.is_pruned(module) and hasattr(module, f"{name}_mask"):
+            torch_prune.remove(module, name)
+    return clean
+
+
+class Trainer:
+    def __init__(self, job: WorkerJob, info: distributed.DistInfo):
+        self.job, self.info = job, info
+        self.out = Path(job.out_dir)
+        manifest = load_manifest(job.prepared_dir)
+        self.num_classes = len(manifest["labels"])
+        self.vocab_size = manifest["vocab_size"]
+        self.min_len = min_input_len(job.model)
+        torch.manual_seed(job.train.seed)  # same initial weights on every rank
+        model = build_model(job.model, self.vocab_size, self.num_classes)
+        if job.init_checkpoint:
+            model.load_state_dict(load_checkpoint(job.init_checkpoint)["model"])
+        if job.keep_sparsity:
+            for module, name in prunable_weights(model, include_embedding=True):
+                torch_prune.custom_from_mask(module, name, getattr(module, name) != 0)
+        self.raw_model = model.to(info.device)
+        self.model = DDP(self.raw_model, device_ids=[info.local_rank] if info.device.type == "cuda" else None) if info.ddp else self.raw_model
+
+        self.train_set = EncodedSplit(job.prepared_dir, "train", job.max_len)
+        self.val_set = EncodedSplit(job.prepared_dir, "val", job.max_len)
+        self.sampler = DistributedSampler(self.train_set, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=job.train.seed)
+        self.loader = DataLoader(
+            self.train_set, batch_size=job.train.batch_size, sampler=self.sampler,
+            collate_fn=partial(pad_batch, min_len=self.min_len), pin_memory=info.device.type == "cuda",
+        )
+        t = job.train
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        self.total_steps = t.epochs * len(self.loader)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, partial(lr_lambda, total=self.total_steps, warmup=max(1, self.total_steps // 20))
+        )
+        run_id = job.mlflow_run_id or os.environ.get("MLFLOW_RUN_ID")
+        self.log = MetricLogger(run_id) if info.is_main and run_id else NullLogger()
+        self.epoch, self.step, self.best_f1, self.best_epoch, self.bad_epochs = 0, 0, -1.0, 0, 0
+        self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        self._resume()
+
+    # ---- checkpoints ----------------------------------------------------------
+    def _resume(self) -> None:
+        last = self.out / "last.pt"
+        if not last.exists():
+            return
+        state = load_checkpoint(last, map_location=self.info.device)
+        self.raw_model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.epoch, self.step = state["epoch"], state["step"]
+        self.best_f1, self.best_epoch, self.bad_epochs = state["best_f1"], state["best_epoch"], state["bad_epochs"]
+        torch.set_rng_state(state["rng"])
+        self.print(f"resumed from {last} after epoch {self.epoch} (restart {self.restarts})")
+
+    def _save_last(self) -> None:
+        save_checkpoint(self.out / "last.pt", {
+            "model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(), "epoch": self.epoch, "step": self.step,
+            "best_f1": self.best_f1, "best_epoch": self.best_epoch, "bad_epochs": self.bad_epochs,
+            "rng": torch.get_rng_state(),
+        }, epoch=self.epoch, step=self.step)
+
+    def _save_best(self, metrics: dict) -> None:
+        clean = masked_copy(self.raw_model).cpu()
+        save_checkpoint(self.out / "best.pt", {
+            "model": clean.state_dict(), "model_config": self.job.model.model_dump(),
+            "vocab_size": self.vocab_size, "num_classes": self.num_classes, "max_len": self.job.max_len,
+            "epoch": self.epoch, "step": self.step, "metrics": metrics,
+        }, epoch=self.epoch, step=self.step)
+
+    # ---- the loop -------------------------------------------------------------
+    def print(self, msg: str) -> None:
+        if self.info.is_main:
+            print(f"[{self.job.stage}] {msg}", flush=True)
+
+    def _run_epoch(self) -> float:
+        self.sampler.set_epoch(self.epoch)
+        self.model.train()
+        n_batches, losses, seen = len(self.loader), [], 0
+        started, report_every = time.perf_counter(), max(1, n_batches // 10)
+        for i, (tokens, labels) in enumerate(self.loader, 1):
+            tokens = tokens.to(self.info.device, non_blocking=True)
+            labels = labels.to(self.info.device, non_blocking=True)
+            with torch.autocast(self.info.device.type, dtype=torch.bfloat16, enabled=self.info.device.type == "cuda"):
+                loss = F.cross_entropy(self.model(tokens).float(), labels)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if self.job.train.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.train.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+            losses.append(loss.item())
+            seen += len(labels)
+            if self.step % self.job.train.log_every == 0:
+                self.log.add(self.step, train_loss=loss.item(), lr=self.scheduler.get_last_lr()[0])
+            if i % report_every == 0 or i == n_batches:
+                rate = seen * self.info.world_size / (time.perf_counter() - started)
+                self.print(f"epoch {self.epoch + 1}/{self.job.train.epochs} [{100 * i // n_batches:3d}%] "
+                           f"step {i}/{n_batches} loss {np.mean(losses[-report_every:]):.4f} {rate:.0f} samples/s")
+        self._epoch_rate = seen * self.info.world_size / (time.perf_counter() - started)
+        return float(np.mean(losses)) if losses else math.nan
+
+    def _validate(self) -> dict:
+        """Exact validation: each rank scores a disjoint slice, the predictions are gathered (no padding)."""
+        mine = list(range(self.info.rank, len(self.val_set), self.info.world_size))
+        probs = predict_proba(self.raw_model, self.val_set, 256, self.min_len, self.info.device, mine)
+        parts = distributed.all_gather_objects((mine, probs), self.info)
+        idx = np.concatenate([np.asarray(p[0], dtype=np.int64) for p in parts])
+        all_probs = np.concatenate([p[1] for p in parts if len(p[1])])
+        y_true = self.val_set.labels[idx]
+        y_pred = all_probs.argmax(1)
+        nll = -np.log(np.clip(all_probs[np.arange(len(idx)), y_true], 1e-12, None)).mean()
+        return {
+            "val_macro_f1": float(f1_score(y_true, y_pred, average="macro")),
+            "val_accuracy": float(accuracy_score(y_true, y_pred)),
+            "val_loss": float(nll),
+        }
+
+    def train(self) -> dict:
+        t = self.job.train
+        self.log.set_tag("restarts", str(self.restarts))
+        while self.epoch < t.epochs and self.bad_epochs < t.patience:
+            started = time.perf_counter()
+            train_loss = self._run_epoch()
+            val = self._validate()
+            self.epoch += 1
+            improved = val["val_macro_f1"] > self.best_f1
+            if improved:
+                self.best_f1, self.best_epoch, self.bad_epochs = val["val_macro_f1"], self.epoch, 0
+                if self.info.is_main:
+                    self._save_best(val)
+            else:
+                self.bad_epochs += 1
+            epoch_s = time.perf_counter() - started
+            self.log.add(self.epoch, epoch=self.epoch, train_loss_epoch=train_loss, epoch_seconds=epoch_s,
+                         samples_per_second=self._epoch_rate, **val)
+            if self.info.is_main:  # checkpoint before the metrics reach MLflow: a restart never logs an epoch twice
+                self._save_last()
+            self.log.flush()
+            self.print(f"epoch {self.epoch}/{t.epochs} done in {epoch_s:.1f}s: train loss {train_loss:.4f}, "
+                       f"val macro-F1 {val['val_macro_f1']:.4f}, val acc {val['val_accuracy']:.4f}"
+                       + (" (best)" if improved else f" (no gain {self.bad_epochs}/{t.patience})"))
+        result = {"best_checkpoint": str(self.out / "best.pt"), "best_epoch": self.best_epoch,
+                  "best_val_macro_f1": self.best_f1, "epochs_run": self.epoch, "steps": self.step,
+                  "stopped_early": self.epoch < t.epochs, "world_size": self.info.world_size, "restarts": self.restarts}
+        self.log.add(self.step, best_val_macro_f1=self.best_f1, best_epoch=self.best_epoch)
+        self.log.flush()
+        if self.info.is_main:
+            (self.out / "result.json").write_text(json.dumps(result, indent=2))
+        return result
+
+
+@record
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="WorkerJob JSON file")
+    args = parser.parse_args(argv)
+    job = WorkerJob.model_validate_json(Path(args.config).read_text())
+    threads = int(os.environ.get("OMP_NUM_THREADS", "0"))
+    if threads > 0:
+        torch.set_num_threads(threads)
+    info = distributed.setup()
+    try:
+        Path(job.out_dir).mkdir(parents=True, exist_ok=True)
+        trainer = Trainer(job, info)
+        trainer.print(f"{info.world_size} process(es) on {info.device.type}, {torch.get_num_threads()} thread(s) each; "
+                      f"{len(trainer.train_set)} train / {len(trainer.val_set)} val texts; {trainer.total_steps} steps")
+        return trainer.train()
+    finally:
+        distributed.cleanup()
+
+
+if __name__ == "__main__":
+    main()
