@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         config = build_config(args)
     except ConfigError as err:
         parser.exit(2, f"zhflow: error: {err}\n")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from flows.pipeline import train_pipeline  # after validation: bad flags fail fast, before Prefect loads
 
     try:

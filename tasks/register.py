@@ -64,7 +64,7 @@ def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, pare
         classifier.load_context(type("Ctx", (), {"artifacts": artifacts})())
         signature = infer_signature(example, classifier.predict(None, example))
         info = mlflow.pyfunc.log_model(
-            name="model", python_model=classifier, artifacts=artifacts, signature=signature, input_example=example,
+            name="model", python_model=str(Path(training.__file__).parent / "pyfunc_model.py"), artifacts=artifacts, signature=signature, input_example=example,
             pip_requirements=_requirements(), code_paths=[str(Path(training.__file__).parent)],
             registered_model_name=name if config.registry.enabled else None,
         )

@@ -1,0 +1,1 @@
+"""Prefect deployments of the zhflow flows (schedules and default parameters)."""

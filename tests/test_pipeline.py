@@ -1,0 +1,91 @@
+"""End to end: the train_pipeline flow on the tiny preset, with a real ephemeral
+Prefect server, real torchrun (2 processes) and a temporary MLflow store."""
+
+import json
+
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+
+from flows.cli import main as zhflow
+from flows.pipeline import train_pipeline
+from training.config import apply_overrides, tiny
+
+pytestmark = pytest.mark.slow
+
+STAGES = {"preprocess", "train", "evaluate_trained", "prune", "finetune", "evaluate", "register"}
+TEXTS = ["这本书非常好看，值得一读", "质量太差了，很失望"]
+
+
+def test_train_pipeline_end_to_end(prefect_server, mlflow_store, tmp_path):
+    summary_file = tmp_path / "summary.json"
+    assert zhflow(["run", "--preset", "tiny", "--nproc", "2", "--experiment", "e2e", "--json-out", str(summary_file)]) == 0
+    summary = json.loads(summary_file.read_text())
+    client = MlflowClient()
+
+    # the run tree: one parent, one nested run per stage, all finished
+    parent = client.get_run(summary["parent_run_id"])
+    assert parent.info.status == "FINISHED"
+    assert parent.data.tags["prefect.flow_run_id"]
+    assert parent.data.params["train.lr"] == str(tiny().train.lr) and "prune.amount" in parent.data.params
+    assert set(summary["stage_runs"]) == STAGES
+    for stage, run_id in summary["stage_runs"].items():
+        run = client.get_run(run_id)
+        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert run.data.tags["zhflow.stage"] == stage and run.info.status == "FINISHED"
+    children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert len(children) == len(STAGES)
+
+    # metrics: honest numbers in range, and the worker's per-epoch history from rank 0 only
+    m = summary["metrics"]
+    for key in ("test_accuracy", "test_macro_f1", "test_macro_precision", "test_macro_recall"):
+        assert 0 <= m[key] <= 1
+    assert m["sparsity_prunable"] == pytest.approx(0.5, abs=0.01)
+    train_run = summary["stage_runs"]["train"]
+    epochs = [h.step for h in client.get_metric_history(train_run, "val_macro_f1")]
+    assert epochs == list(range(1, len(epochs) + 1)) and epochs
+    assert client.get_run(train_run).data.params["nproc_resolved"] == "2"
+    evaluate = client.get_run(summary["stage_runs"]["evaluate"])
+    assert evaluate.data.metrics["test_macro_f1"] == pytest.approx(m["test_macro_f1"])
+    artifacts = {a.path for a in client.list_artifacts(evaluate.info.run_id)}
+    assert {"confusion_matrix.png", "per_class_report.json"} <= artifacts
+
+    # the prepared dataset is an input of the preprocess run, with its digest
+    prep = client.get_run(summary["stage_runs"]["preprocess"])
+    contexts = {i.tags[0].value: i.dataset.digest for i in prep.inputs.dataset_inputs}
+    assert set(contexts) == {"training", "validation", "testing"} and all(contexts.values())
+    manifest = json.loads((tmp_path / "zhflow-home" / "prepared").glob("*/manifest.json").__next__().read_text())
+    assert manifest["counts"]["duplicates_dropped"] > 0
+
+    # the registered model: champion, and it classifies raw Chinese strings
+    model = summary["model"]
+    assert model["alias"] == "champion" and model["version"] == "1"
+    assert client.get_model_version_by_alias(model["name"], "champion").version == "1"
+    predicted = mlflow.pyfunc.load_model(f"models:/{model['name']}@champion").predict(TEXTS)
+    assert len(predicted) == 2 and set(predicted["label"]) <= {"negative", "positive"}
+    assert (predicted[["prob_negative", "prob_positive"]].sum(axis=1) - 1).abs().max() < 1e-5
+
+    # a second run with the same data reuses the prepared folder; the alias moves only on a win
+    cfg = apply_overrides(tiny(), ["train.nproc=1", "train.epochs=1", "prune.finetune_epochs=0"])
+    second = train_pipeline(config=cfg, experiment="e2e")
+    assert second["preprocess_cached"] is True and second["prepared_data"] == summary["prepared_data"]
+    assert client.get_run(second["stage_runs"]["preprocess"]).data.tags["cache_hit"] == "true"
+    champion = client.get_model_version_by_alias(model["name"], "champion")
+    f1 = {v: float(client.get_model_version(model["name"], v).tags["test_macro_f1"]) for v in ("1", "2")}
+    expected = "2" if f1["2"] > f1["1"] else "1"
+    assert champion.version == expected
+    assert second["model"]["alias"] == ("champion" if expected == "2" else "challenger")
+
+
+def test_failed_flow_marks_its_mlflow_runs_failed(prefect_server, mlflow_store, tmp_path):
+    bad = tmp_path / "one-class.csv"
+    bad.write_text("text,label\n" + "\n".join(f"好看{i},positive" for i in range(10)), encoding="utf-8")
+    cfg = apply_overrides(tiny(), [f"data.dataset={bad}"])
+    with pytest.raises(Exception, match="only one class"):
+        train_pipeline(config=cfg, experiment="fails")
+    client = MlflowClient()
+    exp = client.get_experiment_by_name("fails")
+    runs = client.search_runs([exp.experiment_id])
+    assert runs and all(r.info.status == "FAILED" for r in runs)
+    parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags][0]
+    assert "only one class" in parent.data.tags["zhflow.failure"]
