@@ -59,12 +59,12 @@ def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, pare
         shutil.copy(evaluated["checkpoint"] + ".json", str(checkpoint) + ".json")
         artifacts = {"checkpoint": str(checkpoint), "checkpoint_sidecar": str(checkpoint) + ".json",
                      "vocab": str(Path(prepared["path"]) / "vocab.json"), "meta": str(meta)}
-        example = pd.DataFrame({"text": EXAMPLE})
         classifier = TextClassifier()
         classifier.load_context(type("Ctx", (), {"artifacts": artifacts})())
-        signature = infer_signature(example, classifier.predict(None, example))
+        # an unnamed string column: a plain list of texts, a Series or a DataFrame (column "text") all work
+        signature = infer_signature(EXAMPLE, classifier.predict(None, EXAMPLE))
         info = mlflow.pyfunc.log_model(
-            name="model", python_model=str(Path(training.__file__).parent / "pyfunc_model.py"), artifacts=artifacts, signature=signature, input_example=example,
+            name="model", python_model=str(Path(training.__file__).parent / "pyfunc_model.py"), artifacts=artifacts, signature=signature, input_example=EXAMPLE,
             pip_requirements=_requirements(), code_paths=[str(Path(training.__file__).parent)],
             registered_model_name=name if config.registry.enabled else None,
         )

@@ -60,7 +60,7 @@ def test_train_pipeline_end_to_end(prefect_server, mlflow_store, tmp_path):
     # the registered model: champion, and it classifies raw Chinese strings
     model = summary["model"]
     assert model["alias"] == "champion" and model["version"] == "1"
-    assert client.get_model_version_by_alias(model["name"], "champion").version == "1"
+    assert str(client.get_model_version_by_alias(model["name"], "champion").version) == "1"
     predicted = mlflow.pyfunc.load_model(f"models:/{model['name']}@champion").predict(TEXTS)
     assert len(predicted) == 2 and set(predicted["label"]) <= {"negative", "positive"}
     assert (predicted[["prob_negative", "prob_positive"]].sum(axis=1) - 1).abs().max() < 1e-5
@@ -73,7 +73,7 @@ def test_train_pipeline_end_to_end(prefect_server, mlflow_store, tmp_path):
     champion = client.get_model_version_by_alias(model["name"], "champion")
     f1 = {v: float(client.get_model_version(model["name"], v).tags["test_macro_f1"]) for v in ("1", "2")}
     expected = "2" if f1["2"] > f1["1"] else "1"
-    assert champion.version == expected
+    assert str(champion.version) == expected
     assert second["model"]["alias"] == ("champion" if expected == "2" else "challenger")
 
 

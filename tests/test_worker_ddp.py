@@ -36,7 +36,7 @@ def test_two_process_ddp_run_logs_once_and_checkpoints(tmp_path, prepared, mlflo
     run = client.create_run(client.create_experiment("ddp"))
     cfg = tiny()
     job = WorkerJob(stage="train", prepared_dir=str(prepared), out_dir=str(tmp_path / "out"), model=cfg.model,
-                    train=cfg.train.model_copy(update={"epochs": 3, "patience": 3}), max_len=cfg.preprocess.max_len,
+                    train=cfg.train.model_copy(update={"epochs": 3, "patience": 3, "log_every": 1, "batch_size": 8}), max_len=cfg.preprocess.max_len,
                     mlflow_run_id=run.info.run_id)
     out = _torchrun(job, tmp_path, {"MLFLOW_TRACKING_URI": mlflow_store})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
