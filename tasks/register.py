@@ -30,8 +30,12 @@ EXAMPLE = ["这本书非常好看，值得一读", "质量太差了，很失望"
 F1_TAG, SPLIT_TAG = "test_macro_f1", "test_content_digest"
 
 
-def _requirements() -> list[str]:
-    names = ("torch", "mlflow", "jieba", "numpy", "pandas", "pydantic", "scikit-learn")
+def _requirements(config: PipelineConfig) -> list[str]:
+    names = ["torch", "mlflow", "jieba", "numpy", "pandas", "pydantic", "scikit-learn"]
+    if config.preprocess.segmenter == "rjieba":
+        names.append("rjieba")
+    if config.preprocess.traditional_to_simplified:
+        names.append("opencc")
     return [f"{n}=={metadata.version(n)}" for n in names]
 
 
@@ -59,13 +63,16 @@ def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, pare
         shutil.copy(evaluated["checkpoint"] + ".json", str(checkpoint) + ".json")
         artifacts = {"checkpoint": str(checkpoint), "checkpoint_sidecar": str(checkpoint) + ".json",
                      "vocab": str(Path(prepared["path"]) / "vocab.json"), "meta": str(meta)}
+        for key in ("user_dict", "stopwords_file"):
+            if getattr(config.preprocess, key):
+                artifacts[key] = getattr(config.preprocess, key)
         classifier = TextClassifier()
         classifier.load_context(type("Ctx", (), {"artifacts": artifacts})())
         # an unnamed string column: a plain list of texts, a Series or a DataFrame (column "text") all work
         signature = infer_signature(EXAMPLE, classifier.predict(None, EXAMPLE))
         info = mlflow.pyfunc.log_model(
             name="model", python_model=str(Path(training.__file__).parent / "pyfunc_model.py"), artifacts=artifacts, signature=signature, input_example=EXAMPLE,
-            pip_requirements=_requirements(), code_paths=[str(Path(training.__file__).parent)],
+            pip_requirements=_requirements(config), code_paths=[str(Path(training.__file__).parent)],
             registered_model_name=name if config.registry.enabled else None,
         )
         result = {"name": name, "version": None, "uri": info.model_uri, "alias": None, "run_id": run.info.run_id}

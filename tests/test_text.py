@@ -1,7 +1,7 @@
 import pytest
 
 from training.text.clean import EMAIL_TOKEN, URL_TOKEN, normalize
-from training.text.segment import load_stopwords, segment_texts, tokenize
+from training.text.segment import Segmenter, load_stopwords, segment_texts, tokenize
 
 
 @pytest.mark.parametrize(
@@ -34,7 +34,7 @@ def test_normalize_is_idempotent():
 
 
 def test_jieba_keeps_words_and_placeholders():
-    tokens = tokenize(normalize("这本书非常好看 www.example.com"), "jieba", load_stopwords())
+    tokens = tokenize(normalize("这本书非常好看 www.example.com"), "jieba")
     assert "好看" in tokens and "非常" in tokens
     assert URL_TOKEN in tokens  # not split into '<', 'url', '>'
     assert "这" not in tokens  # a stop word
@@ -44,11 +44,11 @@ def test_negations_are_not_stop_words():
     stop = load_stopwords()
     for word in ["不", "没", "没有", "很", "太", "非常"]:
         assert word not in stop
-    assert "不" in tokenize("不好看", "jieba", stop) or "不好" in tokenize("不好看", "jieba", stop)
+    assert "不" in tokenize("不好看") or "不好" in tokenize("不好看")
 
 
 def test_char_segmenter():
-    assert tokenize("好 看!", "char", frozenset()) == ["好", "看", "!"]
+    assert tokenize("好 看!", "char", "none") == ["好", "看", "!"]
 
 
 def test_unknown_segmenter_names_itself():

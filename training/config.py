@@ -33,6 +33,21 @@ class DataConfig(_Section):
     label_column: str = Field("label", title="Label column", description="Column holding the label (files only).")
     val_ratio: float = Field(0.1, gt=0, lt=0.5, title="Validation ratio", description="Share of texts in the validation split.")
     test_ratio: float = Field(0.15, gt=0, lt=0.5, title="Test ratio", description="Share of texts in the test split.")
+    format: Optional[Literal["csv", "tsv", "jsonl", "parquet"]] = Field(
+        None, title="File format", description="Format of a dataset file. Empty: from the extension."
+    )
+    text_columns: list[str] = Field(
+        [], title="Text columns",
+        description="Several text columns joined in this order (e.g. title, content); replaces text_column when set.",
+    )
+    encoding: Optional[str] = Field(
+        None, title="Encoding",
+        description="Text encoding of a CSV/TSV/JSONL file. Empty: UTF-8 (with or without BOM), else GB18030/GBK.",
+    )
+    test_dataset: Optional[str] = Field(
+        None, title="Fixed test set",
+        description="A file used as the test split instead of a random share; its texts are removed from train/val.",
+    )
     seed: int = Field(13, ge=0, title="Split seed", description="Seed of the stratified split: same data and seed, same split.")
     max_samples: Optional[int] = Field(
         None, ge=20, title="Max samples",
@@ -47,18 +62,44 @@ class DataConfig(_Section):
 
 
 class PreprocessConfig(_Section):
-    segmenter: Literal["jieba", "char"] = Field(
-        "jieba", title="Segmenter", description="jieba word segmentation, or one token per character."
+    segmenter: Literal["jieba", "rjieba", "char"] = Field(
+        "jieba", title="Segmenter",
+        description="jieba (reference), rjieba (Rust port of jieba, about 10x faster), or one token per character.",
+    )
+    jieba_hmm: bool = Field(True, title="jieba HMM", description="Let jieba find words missing from its dictionary (HMM).")
+    user_dict: Optional[str] = Field(
+        None, title="User dictionary", description="jieba user dictionary file (word [freq] [tag] per line)."
     )
     stopwords: Literal["builtin", "none"] = Field(
         "builtin", title="Stop words",
         description="Drop the built-in Chinese stop words (negations are kept), or keep every token.",
     )
+    stopwords_file: Optional[str] = Field(
+        None, title="Extra stop words", description="A file of further stop words, one per line (UTF-8)."
+    )
     replace_urls: bool = Field(True, title="Replace URLs", description="Replace URLs and e-mail addresses by placeholder tokens.")
+    replace_numbers: bool = Field(True, title="Replace long numbers", description="Replace runs of 5 or more digits (phone, order numbers) by <num>.")
+    emoji: Literal["keep", "remove"] = Field("keep", title="Emoji", description="Keep emoji as tokens, or remove them.")
+    traditional_to_simplified: bool = Field(
+        False, title="Traditional to simplified", description="Convert traditional Chinese characters to simplified (OpenCC t2s)."
+    )
     min_freq: int = Field(2, ge=1, title="Min token frequency", description="Tokens seen fewer times in train become <unk>.")
     max_vocab: int = Field(30000, ge=100, le=2_000_000, title="Max vocabulary", description="Vocabulary size cap (most frequent train tokens).")
     max_len: int = Field(128, ge=8, le=4096, title="Max tokens", description="Texts are truncated to this many tokens.")
     num_workers: int = Field(2, ge=1, le=256, title="Segmentation processes", description="Processes used for segmentation.")
+
+
+class AugmentConfig(_Section):
+    enabled: bool = Field(False, title="Augment", description="Add EDA-style copies of the training texts (train split only).")
+    n_aug: int = Field(1, ge=1, le=32, title="Copies per text", description="Augmented copies made of each training text.")
+    p_delete: float = Field(0.1, ge=0, le=1, title="Deletion probability", description="Chance that each token is deleted.")
+    p_swap: float = Field(0.1, ge=0, le=1, title="Swap probability", description="Share of tokens swapped with another position.")
+    p_insert: float = Field(0.1, ge=0, le=1, title="Insertion probability", description="Share of tokens for which a synonym is inserted.")
+    p_synonym: float = Field(0.1, ge=0, le=1, title="Synonym probability", description="Chance that each token is replaced by a synonym.")
+    synonyms: Optional[str] = Field(
+        None, title="Synonym table", description="Synonym table file (one group per line). Empty: the built-in table."
+    )
+    seed: int = Field(13, ge=0, title="Augmentation seed", description="Seed of the augmentation.")
 
 
 class ModelConfig(_Section):
@@ -129,6 +170,7 @@ class PipelineConfig(_Section):
 
     data: DataConfig = Field(default_factory=DataConfig, title="Data", description="Dataset, columns and split.")
     preprocess: PreprocessConfig = Field(default_factory=PreprocessConfig, title="Preprocessing", description="Cleaning, segmentation, vocabulary.")
+    augment: AugmentConfig = Field(default_factory=AugmentConfig, title="Augmentation", description="EDA-style augmentation of the train split.")
     model: ModelConfig = Field(default_factory=ModelConfig, title="Model", description="Architecture and sizes.")
     train: TrainConfig = Field(default_factory=TrainConfig, title="Training", description="DDP training.")
     prune: PruneConfig = Field(default_factory=PruneConfig, title="Pruning", description="Pruning and fine-tuning.")
@@ -180,12 +222,16 @@ class ConfigError(ValueError):
     """A user-facing configuration error that names the field."""
 
 
-def _parse_value(raw: str) -> Any:
+def _parse_value(raw: str, annotation: Any) -> Any:
+    """A --set value as the field wants it: text for text fields, JSON or a comma list otherwise."""
+    text = str(annotation)
+    if annotation is str or text in ("typing.Optional[str]", "Optional[str]", "str | None"):
+        return None if raw in ("null", "") and "Optional" in text else raw
     try:
         return json.loads(raw)
     except json.JSONDecodeError:
-        if "," in raw:  # kernel_sizes=3,4,5
-            return [_parse_value(part.strip()) for part in raw.split(",")]
+        if "list" in text:  # kernel_sizes=3,4,5  text_columns=title,content
+            return [part.strip() for part in raw.split(",") if part.strip()]
         return raw
 
 
@@ -216,7 +262,7 @@ def apply_overrides(config: PipelineConfig, overrides: list[str]) -> PipelineCon
             raise ConfigError(
                 f"unknown field {key!r} in --set {item!r}; {section} has: {', '.join(section_cls.model_fields)}"
             )
-        data[section][field] = _parse_value(raw.strip())
+        data[section][field] = _parse_value(raw.strip(), section_cls.model_fields[field].annotation)
     return validate(data)
 
 

@@ -24,8 +24,8 @@ from training.checkpoint import load_checkpoint
 from training.config import ModelConfig, PreprocessConfig
 from training.data.vocab import UNK
 from training.models import build_model, min_input_len
-from training.text.clean import normalize
-from training.text.segment import load_stopwords, tokenize
+from training.text.clean import normalizer
+from training.text.segment import Segmenter
 
 INPUT_COLUMN = "text"
 
@@ -36,10 +36,13 @@ class TextClassifier(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
         meta = json.loads(Path(context.artifacts["meta"]).read_text(encoding="utf-8"))
         self.labels: list[str] = meta["labels"]
-        self.pre = PreprocessConfig.model_validate(meta["preprocess"])
+        # the user's dictionary and stop-word files travel as artifacts: point the settings at those copies
+        files = {key: context.artifacts[key] for key in ("user_dict", "stopwords_file") if key in context.artifacts}
+        self.pre = PreprocessConfig.model_validate(meta["preprocess"] | files)
         vocab = json.loads(Path(context.artifacts["vocab"]).read_text(encoding="utf-8"))
         self.stoi = {tok: i for i, tok in enumerate(vocab)}
-        self.stopwords = load_stopwords(self.pre.stopwords)
+        self.normalize = normalizer(self.pre)
+        self.segmenter = Segmenter.from_config(self.pre)
         state = load_checkpoint(context.artifacts["checkpoint"])
         self.model_cfg = ModelConfig.model_validate(state["model_config"])
         self.model = build_model(self.model_cfg, state["vocab_size"], state["num_classes"])
@@ -51,7 +54,7 @@ class TextClassifier(mlflow.pyfunc.PythonModel):
         unk = self.stoi[UNK]
         rows = []
         for text in texts:
-            tokens = tokenize(normalize(text, self.pre.replace_urls), self.pre.segmenter, self.stopwords)
+            tokens = self.segmenter.tokenize(self.normalize(text))
             rows.append([self.stoi.get(t, unk) for t in tokens][: self.pre.max_len])
         width = max([self.min_len] + [len(r) for r in rows])
         batch = torch.zeros(len(rows), width, dtype=torch.long)

@@ -26,11 +26,11 @@ from pathlib import Path
 import numpy as np
 
 import training
-from training.config import DataConfig, PreprocessConfig
-from training.data.readers import DatasetError, read_dataset
+from training.config import AugmentConfig, DataConfig, PreprocessConfig
+from training.data.readers import DatasetError, RawDataset, read_dataset
 from training.data.vocab import PAD, UNK, build_vocab, encode
-from training.text.clean import normalize
-from training.text.segment import segment_texts
+from training.text.clean import normalizer
+from training.text.segment import Segmenter, file_digest
 
 SPLITS = ("train", "val", "test")
 MANIFEST = "manifest.json"
@@ -57,14 +57,14 @@ def dedupe(texts: list[str], labels: list[str]) -> tuple[list[int], dict[str, in
     }
 
 
-def _check_classes(counts: Counter, where: str) -> None:
+def _check_classes(counts: Counter, where: str, splits: int = len(SPLITS)) -> None:
     if len(counts) < 2:
         only = next(iter(counts), None)
         raise DatasetError(f"{where}: only one class ({only!r}) after cleaning and deduplication; need at least two")
-    small = {label: n for label, n in counts.items() if n < len(SPLITS)}
+    small = {label: n for label, n in counts.items() if n < splits}
     if small:
         raise DatasetError(
-            f"{where}: classes too small to appear in train, val and test (need 3 texts each): "
+            f"{where}: classes too small to appear in every split (need {splits} texts each): "
             + ", ".join(f"{label!r} has {n}" for label, n in sorted(small.items()))
         )
 
@@ -89,7 +89,7 @@ def stratified_split(
         if max_samples is not None and max_samples < len(texts):
             order = order[: max(len(SPLITS), round(len(order) * max_samples / len(texts)))]
         n = len(order)
-        n_test = max(1, round(n * test_ratio))
+        n_test = max(1, round(n * test_ratio)) if test_ratio > 0 else 0
         n_val = max(1, round(n * val_ratio))
         if n - n_test - n_val < 1:
             raise DatasetError(f"label {label!r}: {n} texts are too few for the split ratios")
@@ -112,56 +112,121 @@ def _file_digest(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
-def prepare_dataset(data: DataConfig, pre: PreprocessConfig, out_dir: str | os.PathLike, progress: bool = False) -> dict:
+def _read(data: DataConfig, dataset: str) -> RawDataset:
+    return read_dataset(dataset, data.text_column, data.label_column, data.text_columns, data.format, data.encoding)
+
+
+def _clean(raw: RawDataset, pre: PreprocessConfig) -> tuple[list[str], list[str], list[str], int]:
+    """Normalised texts, labels and original texts of the non-empty rows, and how many were empty."""
+    clean = normalizer(pre)
+    cleaned = [clean(t) for t in raw.texts]
+    keep = [i for i, t in enumerate(cleaned) if t]
+    return [cleaned[i] for i in keep], [raw.labels[i] for i in keep], [raw.texts[i] for i in keep], len(cleaned) - len(keep)
+
+
+def sort_labels(labels: set[str]) -> list[str]:
+    """Integer labels in numeric order (2 before 10), others alphabetically."""
+    if all(label.lstrip("-").isdigit() for label in labels):
+        return sorted(labels, key=int)
+    return sorted(labels)
+
+
+def _length_percentiles(offsets: np.ndarray) -> dict[str, float]:
+    lengths = np.diff(offsets)
+    if not len(lengths):
+        return {}
+    return {f"p{q}": float(np.percentile(lengths, q)) for q in (50, 90, 99)} | {"max": int(lengths.max())}
+
+
+def prepare_dataset(
+    data: DataConfig, pre: PreprocessConfig, out_dir: str | os.PathLike, progress: bool = False,
+    augment: AugmentConfig | None = None,
+) -> dict:
     """Run the whole preprocessing stage into ``out_dir`` (written atomically) and return the manifest."""
     started = time.perf_counter()
     out_dir = Path(out_dir)
-    raw = read_dataset(data.dataset, data.text_column, data.label_column)
+    augment = augment or AugmentConfig()
+    raw = _read(data, data.dataset)
     if not raw.texts:
         raise DatasetError(f"{raw.source}: no texts")
-    cleaned = [normalize(t, pre.replace_urls) for t in raw.texts]
-    non_empty = [i for i, t in enumerate(cleaned) if t]
-    texts = [cleaned[i] for i in non_empty]
-    labels = [raw.labels[i] for i in non_empty]
-    originals = [raw.texts[i] for i in non_empty]
+    texts, labels, originals, n_empty = _clean(raw, pre)
     keep, dedupe_counts = dedupe(texts, labels)
     texts, labels, originals = [texts[i] for i in keep], [labels[i] for i in keep], [originals[i] for i in keep]
-    _check_classes(Counter(labels), raw.source)
+    counts = {"read": len(raw.texts), "empty_dropped": n_empty, **dedupe_counts}
 
-    split_idx = stratified_split(texts, labels, data.val_ratio, data.test_ratio, data.seed, data.max_samples)
-    label_names = sorted(set(labels))
+    if data.test_dataset:
+        # a fixed test set: deduplicated on its own, and its texts removed from train/val so nothing leaks
+        test_raw = _read(data, data.test_dataset)
+        t_texts, t_labels, t_originals, t_empty = _clean(test_raw, pre)
+        t_keep, t_counts = dedupe(t_texts, t_labels)
+        t_texts, t_labels, t_originals = [t_texts[i] for i in t_keep], [t_labels[i] for i in t_keep], [t_originals[i] for i in t_keep]
+        in_test = set(t_texts)
+        pool = [i for i, t in enumerate(texts) if t not in in_test]
+        counts |= {"test_file_read": len(test_raw.texts), "test_file_empty_dropped": t_empty,
+                   "test_file_duplicates_dropped": t_counts["duplicates_dropped"] + t_counts["conflict_rows_dropped"],
+                   "removed_as_in_test_file": len(texts) - len(pool)}
+        texts, labels, originals = [texts[i] for i in pool], [labels[i] for i in pool], [originals[i] for i in pool]
+        unknown = sorted(set(t_labels) - set(labels))
+        if unknown:
+            raise DatasetError(f"{test_raw.source}: labels not in the training data: {', '.join(map(repr, unknown))}")
+        _check_classes(Counter(labels), raw.source, splits=2)
+        inner = stratified_split(texts, labels, data.val_ratio, 0.0, data.seed, data.max_samples)
+        n = len(texts)
+        texts, labels, originals = texts + t_texts, labels + t_labels, originals + t_originals
+        split_idx = {"train": inner["train"], "val": inner["val"], "test": list(range(n, len(texts)))}
+    else:
+        _check_classes(Counter(labels), raw.source)
+        split_idx = stratified_split(texts, labels, data.val_ratio, data.test_ratio, data.seed, data.max_samples)
+    counts |= {"kept": len(texts), "used": sum(len(v) for v in split_idx.values())}
+
+    label_names = sort_labels(set(labels))
     label_map = {name: i for i, name in enumerate(label_names)}
+    segmenter = Segmenter.from_config(pre)
+    all_idx = [i for s in SPLITS for i in split_idx[s]]
+    tokens_all = segmenter.segment([texts[i] for i in all_idx], pre.num_workers, progress=progress)
+    tokens_of = dict(zip(all_idx, tokens_all))
+    rows = {s: [{"text": originals[i], "clean": texts[i], "label": labels[i]} for i in split_idx[s]] for s in SPLITS}
+    token_lists = {s: [tokens_of[i] for i in split_idx[s]] for s in SPLITS}
+    label_lists = {s: [labels[i] for i in split_idx[s]] for s in SPLITS}
 
+    if augment.enabled:  # after the split, on train only: no augmented copy of a test text can exist
+        from training.text.augment import augment_texts, load_builtin_synonyms, load_synonyms
+
+        synonyms = load_synonyms(augment.synonyms) if augment.synonyms else load_builtin_synonyms()
+        new_tokens, new_labels = augment_texts(
+            token_lists["train"], label_lists["train"], augment.n_aug, augment.seed, synonyms,
+            p_delete=augment.p_delete, p_swap=augment.p_swap, p_insert=augment.p_insert, p_synonym=augment.p_synonym,
+        )
+        token_lists["train"] += new_tokens
+        label_lists["train"] += new_labels
+        rows["train"] += [{"text": None, "clean": " ".join(t), "label": l, "augmented": True} for t, l in zip(new_tokens, new_labels)]
+        counts["augmented_added"] = len(new_tokens)
+
+    vocab = build_vocab(token_lists["train"], pre.min_freq, pre.max_vocab)
+    stoi = {tok: i for i, tok in enumerate(vocab)}
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    all_idx = [i for s in SPLITS for i in split_idx[s]]
-    tokens_all = segment_texts(
-        [texts[i] for i in all_idx], pre.segmenter, pre.stopwords, pre.num_workers, progress=progress
-    )
-    tokens_of = dict(zip(all_idx, tokens_all))
-    vocab = build_vocab((tokens_of[i] for i in split_idx["train"]), pre.min_freq, pre.max_vocab)
-    stoi = {tok: i for i, tok in enumerate(vocab)}
-
     splits_info = {}
     for split in SPLITS:
-        idx = split_idx[split]
-        ids, offsets = encode([tokens_of[i] for i in idx], stoi)
-        split_labels = np.array([label_map[labels[i]] for i in idx], dtype=np.int64)
+        ids, offsets = encode(token_lists[split], stoi)
+        split_labels = np.array([label_map[l] for l in label_lists[split]], dtype=np.int64)
         files = [tmp / f"{split}.ids.npy", tmp / f"{split}.offsets.npy", tmp / f"{split}.labels.npy", tmp / f"{split}.jsonl"]
         np.save(files[0], ids)
         np.save(files[1], offsets)
         np.save(files[2], split_labels)
-        _write_jsonl(files[3], [{"text": originals[i], "clean": texts[i], "label": labels[i]} for i in idx])
+        _write_jsonl(files[3], rows[split])
         unk = int((ids == stoi[UNK]).sum())
+        originals_only = [r for r in rows[split] if not r.get("augmented")]
         splits_info[split] = {
-            "n": len(idx),
-            "per_label": dict(sorted(Counter(labels[i] for i in idx).items())),
+            "n": len(split_labels),
+            "per_label": dict(sorted(Counter(label_lists[split]).items())),
             "tokens": int(len(ids)),
             "unk_rate": round(unk / max(1, len(ids)), 4),
+            "token_length": _length_percentiles(offsets),
             "digest": _file_digest(files),
             # identifies the (text, label) pairs alone, independent of the vocabulary: used to compare models
-            "content_digest": _key("\n".join(sorted(f"{labels[i]}\t{texts[i]}" for i in idx))),
+            "content_digest": _key("\n".join(sorted(f"{r['label']}\t{r['clean']}" for r in originals_only))),
         }
     (tmp / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
 
@@ -170,19 +235,16 @@ def prepare_dataset(data: DataConfig, pre: PreprocessConfig, out_dir: str | os.P
     manifest = {
         "format_version": 1,
         "dataset": {"name": raw.name, "source": raw.source, "digest": raw.digest},
-        "counts": {
-            "read": len(raw.texts),
-            "empty_dropped": len(raw.texts) - len(non_empty),
-            **dedupe_counts,
-            "kept": len(texts),
-            "used": sum(len(v) for v in split_idx.values()),
-        },
+        "test_dataset": {"source": data.test_dataset, "digest": file_digest(data.test_dataset)} if data.test_dataset else None,
+        "counts": counts,
         "splits": splits_info,
         "labels": label_names,
         "label_map": label_map,
         "vocab_size": len(vocab),
         "specials": {"pad": PAD, "unk": UNK},
-        "config": {"data": data.model_dump(), "preprocess": pre.model_dump()},
+        "config": {"data": data.model_dump(), "preprocess": pre.model_dump(), "augment": augment.model_dump()},
+        "files": {"user_dict": file_digest(pre.user_dict), "stopwords_file": file_digest(pre.stopwords_file),
+                  "synonyms": file_digest(augment.synonyms) if augment.enabled else None},
         "versions": {
             "zhflow": training.__version__,
             "jieba": jieba.__version__,
@@ -196,6 +258,26 @@ def prepare_dataset(data: DataConfig, pre: PreprocessConfig, out_dir: str | os.P
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
     return manifest
+
+
+def manifest_markdown(manifest: dict) -> str:
+    c = manifest["counts"]
+    lines = [
+        f"# Prepared dataset `{Path(manifest['dataset']['name']).name}`",
+        "",
+        f"digest `{manifest['dataset']['digest'][:16]}`, vocabulary {manifest['vocab_size']}, labels {', '.join(manifest['labels'])}",
+        "",
+        "| count | value |", "|---|---|",
+        *[f"| {k} | {v} |" for k, v in c.items()],
+        "",
+        "| split | texts | per label | OOV rate | tokens p50 / p90 / max |", "|---|---|---|---|---|",
+    ]
+    for split, info in manifest["splits"].items():
+        tl = info.get("token_length", {})
+        per_label = ", ".join(f"{k}: {v}" for k, v in info["per_label"].items())
+        lines.append(f"| {split} | {info['n']} | {per_label} | {info['unk_rate']:.2%} | "
+                     f"{tl.get('p50', 0):.0f} / {tl.get('p90', 0):.0f} / {tl.get('max', 0)} |")
+    return "\n".join(lines)
 
 
 def load_manifest(prepared_dir: str | os.PathLike) -> dict:

