@@ -165,3 +165,19 @@ def test_manifest_has_lengths_and_oov(tmp_path, small_csv):
         info = manifest["splits"][split]
         assert 0 <= info["unk_rate"] <= 1 and info["token_length"]["p50"] > 0
     assert manifest["counts"].get("augmented_added") is None
+
+
+def test_augmentation_touches_train_only(tmp_path, small_csv):
+    plain = prepare_dataset(DataConfig(dataset=str(small_csv)), PreprocessConfig(min_freq=1), tmp_path / "plain")
+    aug = AugmentConfig(enabled=True, n_aug=2, p_delete=0.2, p_swap=0.2, p_insert=0.2, p_synonym=0.3)
+    manifest = prepare_dataset(DataConfig(dataset=str(small_csv)), PreprocessConfig(min_freq=1), tmp_path / "aug", augment=aug)
+    added = manifest["counts"]["augmented_added"]
+    assert 0 < added <= 2 * plain["splits"]["train"]["n"]
+    assert manifest["splits"]["train"]["n"] == plain["splits"]["train"]["n"] + added
+    for split in ("val", "test"):  # untouched, identical to the run without augmentation
+        assert manifest["splits"][split]["content_digest"] == plain["splits"][split]["content_digest"]
+        assert manifest["splits"][split]["n"] == plain["splits"][split]["n"]
+    rows = [json.loads(l) for l in (tmp_path / "aug" / "train.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert sum(1 for r in rows if r.get("augmented")) == added
+    again = prepare_dataset(DataConfig(dataset=str(small_csv)), PreprocessConfig(min_freq=1), tmp_path / "aug2", augment=aug)
+    assert again["splits"]["train"]["digest"] == manifest["splits"]["train"]["digest"]  # seeded

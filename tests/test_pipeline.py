@@ -2,6 +2,7 @@
 Prefect server, real torchrun (2 processes) and a temporary MLflow store."""
 
 import json
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -89,3 +90,37 @@ def test_failed_flow_marks_its_mlflow_runs_failed(prefect_server, mlflow_store, 
     assert runs and all(r.info.status == "FAILED" for r in runs)
     parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags][0]
     assert "only one class" in parent.data.tags["zhflow.failure"]
+
+
+def test_preprocess_cache_reuse_rebuild_and_invalidation(prefect_server, mlflow_store, tmp_path, small_csv):
+    import shutil
+    import time
+
+    from prefect import flow
+
+    from tasks.preprocess import preprocess
+    from tasks.tracking import open_pipeline_run
+
+    @flow
+    def prep_only(cfg):
+        return preprocess(cfg.data, cfg.preprocess, cfg.augment, open_pipeline_run(cfg, "cache"))
+
+    cfg = apply_overrides(tiny(), [f"data.dataset={small_csv}", "data.max_samples=null"])
+    first = prep_only(cfg)
+    assert first["cached"] is False
+    started = time.perf_counter()
+    second = prep_only(cfg)
+    assert second["cached"] is True and second["path"] == first["path"]
+    assert time.perf_counter() - started < 10  # a whole flow run; the cache hit itself is milliseconds
+
+    shutil.rmtree(first["path"])  # a deleted folder is rebuilt, not a crash
+    third = prep_only(cfg)
+    assert third["cached"] is False and (Path(third["path"]) / "manifest.json").is_file()
+
+    stop = tmp_path / "stop.txt"
+    stop.write_text("购买\n", encoding="utf-8")
+    changed = prep_only(apply_overrides(cfg, [f"preprocess.stopwords_file={stop}"]))
+    assert changed["cached"] is False and changed["path"] != first["path"]
+    stop.write_text("购买\n次\n", encoding="utf-8")  # the file's content, not its name, is in the key
+    assert prep_only(apply_overrides(cfg, [f"preprocess.stopwords_file={stop}"]))["path"] != changed["path"]
+    assert prep_only(apply_overrides(cfg, ["data.seed=99"]))["path"] != first["path"]
