@@ -24,5 +24,8 @@ test: $(STAMP)       ## the whole suite, slow tests included
 test-fast: $(STAMP)  ## unit tests only
 	$(BIN)/python -m pytest -m "not slow" $(ARGS)
 
+bench: $(STAMP)      ## benchmarks -> BENCHMARKS.md (ARGS=--quick for a short run)
+	$(BIN)/python -m bench $(ARGS)
+
 clean:
 	rm -rf .zhflow mlflow.db mlruns

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m bench [--quick]`` (or ``make bench``) writes BENCHMARKS.md."""

@@ -1,0 +1,69 @@
+"""Timing helpers and the machine description shared by the benchmark sections."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Callable
+
+
+@dataclass
+class Timing:
+    seconds: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def spread(self) -> float:
+        """Half the range, as a share of the median."""
+        return (max(self.seconds) - min(self.seconds)) / 2 / self.median if self.median else 0.0
+
+    def rate(self, items: int) -> str:
+        return f"{items / self.median:,.0f}/s (±{100 * self.spread:.0f}%)"
+
+    def __str__(self) -> str:
+        return f"{self.median:.2f} s (±{100 * self.spread:.0f}%, n={len(self.seconds)})"
+
+
+def repeat(fn: Callable[[], object], times: int) -> tuple[Timing, object]:
+    """Run ``fn`` ``times`` times; the timings and the last result."""
+    out, result = [], None
+    for _ in range(times):
+        started = time.perf_counter()
+        result = fn()
+        out.append(time.perf_counter() - started)
+    return Timing(out), result
+
+
+def interleaved(fns: dict[str, Callable[[], object]], times: int) -> dict[str, Timing]:
+    """Alternatives run in turn (A B C A B C ...), so a noisy neighbour hits them alike."""
+    seconds: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(times):
+        for name, fn in fns.items():
+            started = time.perf_counter()
+            fn()
+            seconds[name].append(time.perf_counter() - started)
+    return {name: Timing(s) for name, s in seconds.items()}
+
+
+def verdict(ok: bool) -> str:
+    return "**met**" if ok else "**missed**"
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions = ", ".join(f"{n} {metadata.version(n)}" for n in ("torch", "prefect", "mlflow", "jieba", "rjieba", "scikit-learn"))
+    return f"{cpu}; {os.cpu_count()} cores; Python {platform.python_version()}; {versions}"
