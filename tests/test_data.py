@@ -72,6 +72,9 @@ def test_prepared_folder_round_trips(tmp_path, small_csv):
         assert ids.dtype == np.int32 and offsets.dtype == np.int64
         assert len(offsets) == len(labels) + 1 == manifest["splits"][split]["n"] + 1
         assert offsets[-1] == len(ids) and ids.max() < len(vocab)
+        char_offsets = np.load(tmp_path / "p" / f"{split}.char_offsets.npy")
+        assert len(char_offsets) == len(labels) + 1
+        assert char_offsets[-1] == len(np.load(tmp_path / "p" / f"{split}.char_ids.npy")) > offsets[-1]
     assert sum(manifest["splits"][s]["n"] for s in SPLITS) == 60
     assert not list(tmp_path.glob("p.tmp-*"))  # written atomically
 

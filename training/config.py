@@ -186,7 +186,7 @@ def tiny() -> PipelineConfig:
         data=DataConfig(max_samples=600),
         preprocess=PreprocessConfig(min_freq=1, max_len=64, num_workers=1),
         model=ModelConfig(embed_dim=32, num_filters=16, kernel_sizes=[2, 3]),
-        train=TrainConfig(epochs=2, batch_size=32, lr=3e-3, log_every=5),
+        train=TrainConfig(epochs=4, batch_size=32, lr=5e-3, patience=4, log_every=5),
         prune=PruneConfig(amount=0.5, finetune_epochs=1),
     )
 

@@ -4,9 +4,10 @@ read -> normalise -> drop empties -> dedupe (conflicting labels dropped) ->
 stratified split -> segment -> vocabulary (train only) -> flat int32 arrays.
 
 The folder holds, per split: ``{split}.ids.npy`` (int32 token ids, all texts
-end to end), ``{split}.offsets.npy`` (int64, n+1), ``{split}.labels.npy``
+end to end), ``{split}.offsets.npy`` (int64, n+1), the same for characters
+(``{split}.char_ids.npy``, ``{split}.char_offsets.npy``), ``{split}.labels.npy``
 (int64) and ``{split}.jsonl`` (the texts as read and as cleaned, and the
-label); plus ``vocab.json`` and ``manifest.json``.
+label); plus ``vocab.json``, ``char_vocab.json`` and ``manifest.json``.
 
     python -c "from training.config import tiny; from training.data.prepare import prepare_dataset; \
                c = tiny(); print(prepare_dataset(c.data, c.preprocess, '/tmp/prepared'))"
@@ -204,6 +205,11 @@ def prepare_dataset(
 
     vocab = build_vocab(token_lists["train"], pre.min_freq, pre.max_vocab)
     stoi = {tok: i for i, tok in enumerate(vocab)}
+    # characters too (placeholders whole), so character-input models need no second pass over the data
+    chars = Segmenter("char", "none")
+    char_lists = {s: [chars.tokenize(r["clean"]) for r in rows[s]] for s in SPLITS}
+    char_vocab = build_vocab(char_lists["train"], pre.min_freq, pre.max_vocab)
+    char_stoi = {ch: i for i, ch in enumerate(char_vocab)}
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -216,6 +222,9 @@ def prepare_dataset(
         np.save(files[1], offsets)
         np.save(files[2], split_labels)
         _write_jsonl(files[3], rows[split])
+        char_ids, char_offsets = encode(char_lists[split], char_stoi)
+        np.save(tmp / f"{split}.char_ids.npy", char_ids)
+        np.save(tmp / f"{split}.char_offsets.npy", char_offsets)
         unk = int((ids == stoi[UNK]).sum())
         originals_only = [r for r in rows[split] if not r.get("augmented")]
         splits_info[split] = {
@@ -229,6 +238,7 @@ def prepare_dataset(
             "content_digest": _key("\n".join(sorted(f"{r['label']}\t{r['clean']}" for r in originals_only))),
         }
     (tmp / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (tmp / "char_vocab.json").write_text(json.dumps(char_vocab, ensure_ascii=False), encoding="utf-8")
 
     import jieba
 
@@ -241,6 +251,7 @@ def prepare_dataset(
         "labels": label_names,
         "label_map": label_map,
         "vocab_size": len(vocab),
+        "char_vocab_size": len(char_vocab),
         "specials": {"pad": PAD, "unk": UNK},
         "config": {"data": data.model_dump(), "preprocess": pre.model_dump(), "augment": augment.model_dump()},
         "files": {"user_dict": file_digest(pre.user_dict), "stopwords_file": file_digest(pre.stopwords_file),
