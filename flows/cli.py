@@ -13,7 +13,9 @@ import os
 import sys
 from pathlib import Path
 
-from training.config import PRESETS, ConfigError, PipelineConfig, apply_overrides, preset
+from training.config import PRESETS, ConfigError, ModelConfig, PipelineConfig, apply_overrides, preset
+
+MODEL_FAMILIES = ModelConfig.model_fields["name"].annotation.__args__
 
 
 DATA_FLAGS = {  # flag -> setting it fills
@@ -24,7 +26,10 @@ DATA_FLAGS = {  # flag -> setting it fills
 
 
 def build_config(args: argparse.Namespace) -> PipelineConfig:
-    config = preset(args.preset)
+    model = getattr(args, "model", None)
+    if model is not None and model not in MODEL_FAMILIES:
+        raise ConfigError(f"model.name: unknown model family {model!r}; choose one of {', '.join(MODEL_FAMILIES)}")
+    config = preset(args.preset, model)
     overrides = []
     for flag, setting in DATA_FLAGS.items():
         value = getattr(args, flag, None)
@@ -51,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="preprocess -> DDP train -> prune -> fine-tune -> evaluate -> register",
                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _data_options(run)
-    run.add_argument("--model", help="model family, e.g. textcnn")
+    run.add_argument("--model", help=f"model family: {', '.join(MODEL_FAMILIES)} (with that family's preset defaults)")
     run.add_argument("--nproc", type=int, help="DDP processes (default: GPUs, or CPU cores)")
     run.add_argument("--experiment", default="zhflow", help="MLflow experiment (default: zhflow)")
     run.add_argument("--json-out", type=Path, help="write the run summary as JSON here")

@@ -15,7 +15,7 @@ from tasks.preprocess import preprocess
 from tasks.prune import prune_model
 from tasks.register import register_model
 from tasks.tracking import close_pipeline_run, fail_open_runs, open_pipeline_run
-from tasks.train import finetune_model, train_model
+from tasks.train import finetune_model, train_model, with_limits
 
 
 def _run_name() -> str:
@@ -30,10 +30,10 @@ def train_pipeline(config: PipelineConfig = default(), experiment: str = "zhflow
     """Train, prune, fine-tune, evaluate and register a Chinese text classifier; every stage tracked in MLflow."""
     parent = open_pipeline_run(config, experiment)
     prepared = preprocess(config.data, config.preprocess, config.augment, parent)
-    trained = train_model(config, prepared, parent)
+    trained = with_limits(train_model, config.train)(config, prepared, parent)
     evaluated_trained = evaluate_model(config, trained["best_checkpoint"], prepared, parent, stage="evaluate_trained")
     pruned = prune_model(config, trained, prepared, parent)
-    finetuned = finetune_model(config, pruned, prepared, parent)
+    finetuned = with_limits(finetune_model, config.train)(config, pruned, prepared, parent)
     evaluated = evaluate_model(config, finetuned["best_checkpoint"], prepared, parent, stage="evaluate")
     model = register_model(config, evaluated, prepared, parent)
     metrics = evaluated["metrics"] | {f"trained_{k}": v for k, v in evaluated_trained["metrics"].items()}

@@ -6,17 +6,14 @@ import tempfile
 from pathlib import Path
 
 import mlflow
-import numpy as np
 import pandas as pd
 from prefect import task
 
-from training.checkpoint import load_checkpoint
-from training.config import ModelConfig, PipelineConfig
-from training.data.dataset import EncodedSplit
+from training.config import PipelineConfig
 from training.data.prepare import load_manifest
-from training.evaluate import predict_proba
+from training.evaluate import load_model, open_split, predict_proba
 from training.metrics import classification_metrics, per_class_report, plot_confusion_matrix
-from training.models import build_model, min_input_len
+from training.models import min_input_len
 from training.prune import sparsity
 from tasks.tracking import stage_run
 
@@ -25,10 +22,8 @@ from tasks.tracking import stage_run
 def evaluate_model(config: PipelineConfig, checkpoint: str, prepared: dict, parent: dict, stage: str = "evaluate") -> dict:
     with stage_run(parent, stage) as run:
         labels = load_manifest(prepared["path"])["labels"]
-        state = load_checkpoint(checkpoint)
-        model = build_model(ModelConfig.model_validate(state["model_config"]), state["vocab_size"], state["num_classes"])
-        model.load_state_dict(state["model"])
-        test = EncodedSplit(prepared["path"], "test", config.preprocess.max_len)
+        model, _, _ = load_model(checkpoint)
+        test = open_split(prepared["path"], "test", config.model, config.preprocess.max_len)
         probs = predict_proba(model, test, config.evaluate.batch_size, min_input_len(config.model))
         y_true, y_pred = test.labels, probs.argmax(1)
         metrics = classification_metrics(y_true, y_pred, prefix="test_")

@@ -3,6 +3,8 @@ the Prefect log as it comes, mirrors progress into a Prefect progress artifact,
 and always leaves no process behind.
 
 One machine:   torchrun --standalone --nproc-per-node N --max-restarts R -m training.worker --config job.json
+Several:       torchrun --nnodes M --node-rank K --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID \
+                        --nproc-per-node N --max-restarts R -m training.worker --config job.json
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from training.config import WorkerJob
+from training.config import TrainConfig, WorkerJob
 
 _PROGRESS = re.compile(r"epoch (\d+)/(\d+) \[\s*(\d+)%\]")
 _ERROR_LINE = re.compile(r"^\s*(\w+\.)*\w*(Error|Exception|Interrupt)\b.*")
@@ -47,14 +49,26 @@ def resolve_nproc(requested: int | None) -> int:
     return requested
 
 
-def torchrun_command(job_file: Path, nproc: int, max_restarts: int) -> list[str]:
-    return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone",  # rendezvous on a free local port: parallel runs never collide
-        "--nproc-per-node", str(nproc),
-        "--max-restarts", str(max_restarts),
-        "-m", "training.worker", "--config", str(job_file),
-    ]
+def torchrun_command(job_file: Path, nproc: int, train: TrainConfig, rdzv_id: str) -> list[str]:
+    """One machine: --standalone (a free local port, so parallel runs never collide).
+    Several: the c10d rendezvous at train.rdzv_endpoint, shared by every node under one job id."""
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    if train.nnodes == 1:
+        cmd += ["--standalone"]
+    else:
+        cmd += ["--nnodes", str(train.nnodes), "--node-rank", str(train.node_rank), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", str(train.rdzv_endpoint), "--rdzv-id", train.rdzv_id or rdzv_id]
+    return cmd + ["--nproc-per-node", str(nproc), "--max-restarts", str(train.max_restarts),
+                  "-m", "training.worker", "--config", str(job_file)]
+
+
+def _root_cause(error_file: Path) -> str | None:
+    """torchelastic's error file (written through @record) holds the failing rank's exception."""
+    try:
+        message = json.loads(error_file.read_text())["message"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return message.get("message") if isinstance(message, dict) else str(message)
 
 
 def _error_summary(tail: list[str]) -> str:
@@ -76,16 +90,19 @@ def _stop(proc: subprocess.Popen) -> None:
             return
 
 
-def launch_training(job: WorkerJob, nproc: int | None, max_restarts: int) -> dict:
+def launch_training(job: WorkerJob) -> dict:
     """Run the worker under torchrun and return its result.json; a failure raises with the worker's error."""
     logger = get_run_logger()
-    nproc = resolve_nproc(nproc)
+    nproc = resolve_nproc(job.train.nproc)
     out_dir = Path(job.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     job_file = out_dir / "job.json"
     job_file.write_text(job.model_dump_json(indent=2))
-    cmd = torchrun_command(job_file, nproc, max_restarts)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", MLFLOW_TRACKING_URI=mlflow.get_tracking_uri())
+    error_file = out_dir / "error.json"
+    error_file.unlink(missing_ok=True)
+    cmd = torchrun_command(job_file, nproc, job.train, rdzv_id=job.mlflow_run_id or out_dir.name)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MLFLOW_TRACKING_URI=mlflow.get_tracking_uri(),
+               TORCHELASTIC_ERROR_FILE=str(error_file))
     if job.mlflow_run_id:
         env["MLFLOW_RUN_ID"] = job.mlflow_run_id
     if available_devices()[0] == "cpu":
@@ -108,10 +125,8 @@ def launch_training(job: WorkerJob, nproc: int | None, max_restarts: int) -> dic
     finally:
         _stop(proc)  # also on cancellation or an exception in this process: no orphaned workers
     if rc != 0:
-        raise TrainingFailed(
-            f"{job.stage}: torchrun exited with code {rc}: {_error_summary(list(tail))}\n"
-            + "\n".join(list(tail)[-30:])
-        )
+        cause = _root_cause(error_file) or _error_summary(list(tail))
+        raise TrainingFailed(f"{job.stage}: torchrun exited with code {rc}: {cause}\n" + "\n".join(list(tail)[-30:]))
     result_file = out_dir / "result.json"
     if not result_file.is_file():
         raise TrainingFailed(f"{job.stage}: the worker exited cleanly but wrote no {result_file}")

@@ -5,21 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlflow
-import numpy as np
 from prefect import get_run_logger, task
 from sklearn.metrics import f1_score
 
-from training.checkpoint import load_checkpoint, save_checkpoint
-from training.config import ModelConfig, PipelineConfig, flatten
-from training.data.dataset import EncodedSplit
-from training.evaluate import predict_proba
-from training.models import build_model, min_input_len
+from training.checkpoint import save_checkpoint
+from training.config import PipelineConfig, flatten
+from training.evaluate import load_model, open_split, predict_proba
+from training.models import min_input_len
 from training.prune import global_l1_prune, sparsity
 from tasks.tracking import stage_run
 
 
 def _val_macro_f1(model, prepared: dict, cfg: PipelineConfig) -> float:
-    val = EncodedSplit(prepared["path"], "val", cfg.preprocess.max_len)
+    val = open_split(prepared["path"], "val", cfg.model, cfg.preprocess.max_len)
     probs = predict_proba(model, val, cfg.evaluate.batch_size, min_input_len(cfg.model))
     return float(f1_score(val.labels, probs.argmax(1), average="macro"))
 
@@ -29,9 +27,7 @@ def prune_model(config: PipelineConfig, trained: dict, prepared: dict, parent: d
     p = config.prune
     with stage_run(parent, "prune") as run:
         mlflow.log_params(flatten(p, "prune."))
-        state = load_checkpoint(trained["best_checkpoint"])
-        model = build_model(ModelConfig.model_validate(state["model_config"]), state["vocab_size"], state["num_classes"])
-        model.load_state_dict(state["model"])
+        model, _, state = load_model(trained["best_checkpoint"])
         before = sparsity(model, p.include_embedding)
         val_before = _val_macro_f1(model, prepared, config)
         global_l1_prune(model, p.amount, p.include_embedding)

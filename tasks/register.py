@@ -62,7 +62,8 @@ def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, pare
         shutil.copy(evaluated["checkpoint"], checkpoint)
         shutil.copy(evaluated["checkpoint"] + ".json", str(checkpoint) + ".json")
         artifacts = {"checkpoint": str(checkpoint), "checkpoint_sidecar": str(checkpoint) + ".json",
-                     "vocab": str(Path(prepared["path"]) / "vocab.json"), "meta": str(meta)}
+                     "vocab": str(Path(prepared["path"]) / "vocab.json"),
+                     "char_vocab": str(Path(prepared["path"]) / "char_vocab.json"), "meta": str(meta)}
         for key in ("user_dict", "stopwords_file"):
             if getattr(config.preprocess, key):
                 artifacts[key] = getattr(config.preprocess, key)

@@ -73,7 +73,21 @@ def open_pipeline_run(config: PipelineConfig, experiment: str, kind: str = "trai
 
 @contextmanager
 def stage_run(parent: dict, stage: str) -> Iterator[mlflow.ActiveRun]:
-    """A nested run for one stage; FAILED if the body raises."""
+    """A nested run for one stage; FAILED if the body raises.
+
+    A retried task finds its stage's earlier run under the same parent and continues it (with the
+    stage's folder, so training resumes from its last checkpoint) instead of starting a second one.
+    """
+    earlier = MlflowClient().search_runs(
+        [parent["experiment_id"]],
+        filter_string=f"tags.mlflow.parentRunId = '{parent['run_id']}' and tags.`{STAGE_TAG}` = '{stage}'",
+        max_results=1,
+    )
+    if earlier:
+        MlflowClient().set_tag(earlier[0].info.run_id, "zhflow.attempts", str(int(earlier[0].data.tags.get("zhflow.attempts", "1")) + 1))
+        with mlflow.start_run(run_id=earlier[0].info.run_id, nested=True, parent_run_id=parent["run_id"]) as run:
+            yield run
+        return
     with mlflow.start_run(
         experiment_id=parent["experiment_id"], run_name=stage, parent_run_id=parent["run_id"], nested=True,
         tags={STAGE_TAG: stage, **_prefect_tags()},

@@ -7,7 +7,7 @@ from pathlib import Path
 import mlflow
 from prefect import task
 
-from training.config import PipelineConfig, WorkerJob, flatten
+from training.config import PipelineConfig, TrainConfig, WorkerJob, flatten
 from tasks.launch import launch_training, resolve_nproc
 from tasks.tracking import stage_run
 
@@ -20,11 +20,20 @@ def _run_worker(stage: str, config: PipelineConfig, prepared: dict, parent: dict
                         model=config.model, train=train_cfg, max_len=config.preprocess.max_len,
                         mlflow_run_id=run.info.run_id, **job_fields)
         mlflow.log_params(flatten(config.model, "model.") | flatten(train_cfg, "train.") | {"nproc_resolved": nproc})
-        result = launch_training(job, nproc, train_cfg.max_restarts)
+        result = launch_training(job)
         mlflow.log_artifact(result["best_checkpoint"], "checkpoint")
         mlflow.log_artifact(result["best_checkpoint"] + ".json", "checkpoint")
-        mlflow.set_tags({"restarts": str(result["restarts"]), "stopped_early": str(result["stopped_early"]).lower()})
+        mlflow.set_tags({"restarts": str(result["restarts"]), "stopped_early": str(result["stopped_early"]).lower(),
+                         "torchrun": "nnodes={} nproc_per_node={}".format(train_cfg.nnodes, nproc)})
         return {**result, "run_id": run.info.run_id}
+
+
+def with_limits(stage_task, train: TrainConfig):
+    """The task with the run's timeout and retries (a retry resumes from the last checkpoint)."""
+    return stage_task.with_options(
+        timeout_seconds=train.timeout_minutes * 60 if train.timeout_minutes else None,
+        retries=train.task_retries, retry_delay_seconds=5,
+    )
 
 
 @task(name="train")

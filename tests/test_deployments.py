@@ -11,6 +11,6 @@ def test_nightly_retrain_form_is_described():
         for name, field in defs[section]["properties"].items():
             assert field.get("title") and field.get("description"), f"{section}.{name}"
     family = defs["ModelConfig"]["properties"]["name"]
-    assert family.get("enum", [family.get("const")]) == ["textcnn"]  # a choice, not free text
+    assert family["enum"] == ["textcnn", "bilstm", "transformer"]  # a choice, not free text
     assert deployment.schedules[0].schedule.cron == "0 2 * * *"
     assert deployment.parameters["config"]["train"]["epochs"] == 5

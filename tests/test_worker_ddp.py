@@ -1,6 +1,8 @@
-"""The worker under real torchrun: 2 processes on gloo, rank 0 logging into a real MLflow store."""
+"""The worker under real torchrun on CPU (gloo): families, restarts, several nodes, parallel runs."""
 
+import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -8,7 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from training.checkpoint import load_checkpoint
-from training.config import WorkerJob, tiny
+from training.config import WorkerJob, preset, tiny
 from training.data.prepare import prepare_dataset
 
 pytestmark = pytest.mark.slow
@@ -22,46 +24,99 @@ def prepared(tmp_path, small_csv):
     return tmp_path / "prepared"
 
 
-def _torchrun(job: WorkerJob, tmp_path, env_extra: dict) -> subprocess.CompletedProcess:
-    job_file = tmp_path / "job.json"
+def _job(tmp_path, prepared, name="out", family="textcnn", run_id=None, **train) -> WorkerJob:
+    cfg = preset("tiny", family)
+    train = {"epochs": 3, "patience": 3, "log_every": 1, "batch_size": 8, **train}
+    return WorkerJob(stage="train", prepared_dir=str(prepared), out_dir=str(tmp_path / name), model=cfg.model,
+                     train=cfg.train.model_copy(update=train), max_len=cfg.preprocess.max_len, mlflow_run_id=run_id)
+
+
+def _cmd(job: WorkerJob, tmp_path, nproc=2, extra=("--standalone",)) -> list[str]:
+    job_file = tmp_path / f"{os.path.basename(job.out_dir)}.json"
     job_file.write_text(job.model_dump_json())
-    env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "training.worker", "--config", str(job_file)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    return [sys.executable, "-m", "torch.distributed.run", *extra, "--nproc-per-node", str(nproc),
+            "--max-restarts", str(job.train.max_restarts), "-m", "training.worker", "--config", str(job_file)]
 
 
-def test_two_process_ddp_run_logs_once_and_checkpoints(tmp_path, prepared, mlflow_store):
+def _env(**extra) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", **extra)
+
+
+def _no_duplicate_steps(client, run_id, key):
+    steps = [m.step for m in client.get_metric_history(run_id, key)]
+    assert steps and len(steps) == len(set(steps)), f"{key}: {steps}"
+    return steps
+
+
+@pytest.mark.parametrize("family, inputs", [("textcnn", "word"), ("bilstm", "word"), ("transformer", "both")])
+def test_two_process_ddp_run_per_family(tmp_path, prepared, mlflow_store, family, inputs):
     client = MlflowClient()
-    run = client.create_run(client.create_experiment("ddp"))
-    cfg = tiny()
-    job = WorkerJob(stage="train", prepared_dir=str(prepared), out_dir=str(tmp_path / "out"), model=cfg.model,
-                    train=cfg.train.model_copy(update={"epochs": 3, "patience": 3, "log_every": 1, "batch_size": 8}), max_len=cfg.preprocess.max_len,
-                    mlflow_run_id=run.info.run_id)
-    out = _torchrun(job, tmp_path, {"MLFLOW_TRACKING_URI": mlflow_store})
+    run = client.create_run(client.create_experiment(f"ddp-{family}"))
+    job = _job(tmp_path, prepared, family=family, run_id=run.info.run_id)
+    job = job.model_copy(update={"model": job.model.model_copy(update={"input": inputs})})
+    out = subprocess.run(_cmd(job, tmp_path), capture_output=True, text=True, env=_env(MLFLOW_TRACKING_URI=mlflow_store), timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "2 process(es) on cpu" in out.stdout
-
-    import json
 
     result = json.loads((tmp_path / "out" / "result.json").read_text())
     assert result["world_size"] == 2 and result["epochs_run"] == 3
     state = load_checkpoint(result["best_checkpoint"])
-    assert state["epoch"] == result["best_epoch"]
+    assert state["epoch"] == result["best_epoch"] and state["model_config"]["name"] == family
 
-    history = client.get_metric_history(run.info.run_id, "val_macro_f1")
-    assert [m.step for m in history] == [1, 2, 3]  # once per epoch: only rank 0 logged
-    assert max(m.value for m in history) == pytest.approx(result["best_val_macro_f1"])
-    losses = client.get_metric_history(run.info.run_id, "train_loss")
-    steps = [m.step for m in losses]
-    assert steps and len(steps) == len(set(steps))
-    assert client.get_run(run.info.run_id).data.metrics["samples_per_second"] > 0
+    assert _no_duplicate_steps(client, run.info.run_id, "val_macro_f1") == [1, 2, 3]  # only rank 0 logged
+    _no_duplicate_steps(client, run.info.run_id, "train_loss")
+    metrics = client.get_run(run.info.run_id).data.metrics
+    assert metrics["samples_per_second"] > 0 and metrics["best_val_macro_f1"] == pytest.approx(result["best_val_macro_f1"])
+
+
+def test_killed_rank_restarts_and_resumes_without_duplicate_metrics(tmp_path, prepared, mlflow_store):
+    client = MlflowClient()
+    run = client.create_run(client.create_experiment("restart"))
+    job = _job(tmp_path, prepared, run_id=run.info.run_id, max_restarts=1)  # 3 optimiser steps per epoch
+    env = _env(MLFLOW_TRACKING_URI=mlflow_store, ZHFLOW_TEST_KILL_AT_STEP="5", ZHFLOW_TEST_KILL_ONCE_FILE=str(tmp_path / "killed"))
+    out = subprocess.run(_cmd(job, tmp_path), capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (tmp_path / "killed").exists()  # rank 1 really died mid-epoch 2
+    assert "resumed from" in out.stdout and "after epoch 1 (restart 1)" in out.stdout
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["restarts"] == 1 and result["epochs_run"] == 3
+    assert _no_duplicate_steps(client, run.info.run_id, "val_macro_f1") == [1, 2, 3]
+    assert _no_duplicate_steps(client, run.info.run_id, "train_loss") == list(range(1, 10))
+    assert client.get_run(run.info.run_id).data.tags["restarts"] == "1"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_meet_at_a_c10d_rendezvous(tmp_path, prepared):
+    job = _job(tmp_path, prepared, epochs=2)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    procs = []
+    for node in (0, 1):
+        extra = ("--nnodes", "2", "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                 "--rdzv-id", "two-nodes-test")
+        procs.append(subprocess.Popen(_cmd(job, tmp_path, nproc=1, extra=extra), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, env=_env()))
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["world_size"] == 2 and result["epochs_run"] == 2
+
+
+def test_two_runs_at_once_do_not_collide(tmp_path, prepared):
+    procs = [subprocess.Popen(_cmd(_job(tmp_path, prepared, name=f"run{i}", epochs=2), tmp_path),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()) for i in (0, 1)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    for i in (0, 1):
+        assert json.loads((tmp_path / f"run{i}" / "result.json").read_text())["world_size"] == 2
 
 
 def test_worker_error_reaches_the_caller(tmp_path, prepared):
-    cfg = tiny()
-    job = WorkerJob(stage="train", prepared_dir=str(tmp_path / "missing"), out_dir=str(tmp_path / "out"),
-                    model=cfg.model, train=cfg.train, max_len=64)
-    out = _torchrun(job, tmp_path, {})
+    job = _job(tmp_path, prepared).model_copy(update={"prepared_dir": str(tmp_path / "missing")})
+    out = subprocess.run(_cmd(job, tmp_path), capture_output=True, text=True, env=_env(), timeout=300)
     assert out.returncode != 0
     assert "no manifest" in out.stdout + out.stderr

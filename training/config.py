@@ -103,11 +103,24 @@ class AugmentConfig(_Section):
 
 
 class ModelConfig(_Section):
-    name: Literal["textcnn"] = Field("textcnn", title="Model family", description="Model architecture.")
+    name: Literal["textcnn", "bilstm", "transformer"] = Field(
+        "textcnn", title="Model family",
+        description="textcnn (convolutions + max pooling), bilstm (BiLSTM + attention pooling), transformer (small encoder).",
+    )
+    input: Literal["word", "char", "both"] = Field(
+        "word", title="Input", description="Word tokens, characters, or both (two embeddings, features concatenated)."
+    )
     embed_dim: int = Field(128, ge=8, le=2048, title="Embedding size", description="Token embedding width.")
     num_filters: int = Field(100, ge=1, le=4096, title="Filters per width", description="TextCNN convolution filters per kernel width.")
     kernel_sizes: list[int] = Field([3, 4, 5], min_length=1, title="Kernel widths", description="TextCNN convolution widths, in tokens.")
-    dropout: float = Field(0.5, ge=0, lt=1, title="Dropout", description="Dropout before the classifier.")
+    hidden_size: int = Field(128, ge=4, le=4096, title="Hidden size", description="BiLSTM hidden units per direction; transformer feed-forward width is 4x embed_dim.")
+    num_layers: int = Field(1, ge=1, le=24, title="Layers", description="BiLSTM or transformer layers.")
+    num_heads: int = Field(4, ge=1, le=64, title="Attention heads", description="Transformer attention heads (must divide embed_dim).")
+    positions: Literal["learned", "sinusoidal"] = Field(
+        "learned", title="Positions", description="Transformer position encoding."
+    )
+    max_char_len: int = Field(256, ge=8, le=8192, title="Max characters", description="Character input is truncated to this many characters.")
+    dropout: float = Field(0.5, ge=0, lt=1, title="Dropout", description="Dropout before the classifier (and inside the encoder).")
 
     @field_validator("kernel_sizes")
     @classmethod
@@ -116,11 +129,26 @@ class ModelConfig(_Section):
             raise ValueError("each kernel width must be between 1 and 32")
         return v
 
+    @model_validator(mode="after")
+    def _heads(self) -> "ModelConfig":
+        if self.name == "transformer" and self.embed_dim % self.num_heads:
+            raise ValueError(f"embed_dim ({self.embed_dim}) must be a multiple of num_heads ({self.num_heads})")
+        return self
+
 
 class TrainConfig(_Section):
     epochs: int = Field(5, ge=1, le=1000, title="Epochs", description="Maximum training epochs.")
     batch_size: int = Field(64, ge=1, le=65536, title="Batch size", description="Batch size per process.")
     lr: float = Field(1e-3, gt=0, le=10, title="Learning rate", description="AdamW peak learning rate.")
+    schedule: Literal["linear", "cosine", "constant"] = Field(
+        "linear", title="LR schedule", description="After warm-up: linear or cosine decay to zero, or constant."
+    )
+    warmup_ratio: float = Field(0.05, ge=0, lt=1, title="Warm-up share", description="Share of the optimiser steps spent warming up.")
+    grad_accum: int = Field(1, ge=1, le=1024, title="Gradient accumulation", description="Batches per optimiser step.")
+    label_smoothing: float = Field(0.0, ge=0, lt=1, title="Label smoothing", description="Cross-entropy label smoothing.")
+    class_weights: Literal["none", "balanced"] = Field(
+        "none", title="Class weights", description="Weight the loss by inverse class frequency (imbalanced data)."
+    )
     weight_decay: float = Field(0.01, ge=0, le=1, title="Weight decay", description="AdamW weight decay.")
     grad_clip: float = Field(1.0, ge=0, title="Gradient clipping", description="Max gradient norm; 0 turns clipping off.")
     patience: int = Field(2, ge=1, title="Early-stopping patience", description="Stop after this many epochs without a better validation macro-F1.")
@@ -129,8 +157,26 @@ class TrainConfig(_Section):
         description="DDP processes. Empty: the number of GPUs, or of CPU cores on a CPU machine.",
     )
     max_restarts: int = Field(2, ge=0, le=100, title="Max restarts", description="torchrun restarts of the worker group after a failure.")
+    nnodes: int = Field(1, ge=1, le=1024, title="Nodes", description="Machines in the training job (each runs nproc processes).")
+    node_rank: int = Field(0, ge=0, title="Node rank", description="This machine's rank among the nodes (0 runs the pipeline).")
+    rdzv_endpoint: Optional[str] = Field(
+        None, title="Rendezvous endpoint", description="HOST:PORT of the c10d rendezvous, reachable from every node (several nodes only)."
+    )
+    rdzv_id: Optional[str] = Field(None, title="Rendezvous id", description="Job id shared by all nodes. Empty: the MLflow run id.")
+    timeout_minutes: Optional[float] = Field(
+        None, gt=0, title="Timeout (minutes)", description="Stop the training task (and every worker) after this long."
+    )
+    task_retries: int = Field(0, ge=0, le=10, title="Task retries", description="Prefect retries of a failed training task; each resumes from the last checkpoint.")
     seed: int = Field(13, ge=0, title="Training seed", description="Seed for weights, shuffling and dropout.")
     log_every: int = Field(20, ge=1, title="Log every", description="Record training loss every this many steps (sent to MLflow once per epoch).")
+
+    @model_validator(mode="after")
+    def _nodes(self) -> "TrainConfig":
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("rdzv_endpoint (HOST:PORT) is needed when nnodes > 1")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        return self
 
     @field_validator("lr")
     @classmethod
@@ -209,11 +255,35 @@ def gpu() -> PipelineConfig:
 
 PRESETS = {"tiny": tiny, "default": default, "gpu": gpu}
 
+# what each family needs beyond the preset's shared sizes: {family: {preset: {"model"|"train": {...}}}}
+FAMILY_DEFAULTS = {
+    "bilstm": {
+        "tiny": {"model": {"hidden_size": 32, "dropout": 0.3}},
+        "default": {"model": {"hidden_size": 128, "dropout": 0.3}, "train": {"lr": 2e-3}},
+        "gpu": {"model": {"hidden_size": 256, "num_layers": 2, "dropout": 0.3}},
+    },
+    "transformer": {
+        "tiny": {"model": {"num_heads": 2, "num_layers": 1, "dropout": 0.1}, "train": {"warmup_ratio": 0.1}},
+        "default": {"model": {"num_heads": 4, "num_layers": 2, "dropout": 0.1},
+                    "train": {"lr": 5e-4, "warmup_ratio": 0.1, "schedule": "cosine"}},
+        "gpu": {"model": {"embed_dim": 256, "num_heads": 8, "num_layers": 4, "dropout": 0.1},
+                "train": {"lr": 3e-4, "warmup_ratio": 0.1, "schedule": "cosine"}},
+    },
+}
 
-def preset(name: str) -> PipelineConfig:
+
+def preset(name: str, model: str | None = None) -> PipelineConfig:
+    """A preset, with the defaults of model family ``model`` when given."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    return PRESETS[name]()
+    config = PRESETS[name]()
+    if model is None:
+        return config
+    data = config.model_dump()
+    data["model"]["name"] = model
+    for section, values in FAMILY_DEFAULTS.get(model, {}).get(name, {}).items():
+        data[section].update(values)
+    return validate(data)
 
 
 # ---- overrides and flattening --------------------------------------------------

@@ -42,7 +42,17 @@ def setup() -> DistInfo:
         device = torch.device("cpu")
         backend = "gloo"
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
+        timeout = timedelta(minutes=10)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun keeps one store across restarts: without a per-attempt prefix, a restarted group
+            # reads the dead workers' addresses and fails to connect
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                   is_master=False, timeout=timeout)
+            store = dist.PrefixStore(f"zhflow/attempt-{attempt}", client)
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout)
     return DistInfo(rank, local_rank, world_size, device)
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from training.data.dataset import EncodedSplit, pad_batch
+from training.data.dataset import EncodedSplit, pad_batch, to_device
 
 
 @torch.no_grad()
@@ -28,9 +28,29 @@ def predict_proba(
     was_training = model.training
     model.eval()
     out = []
-    for tokens, _ in loader:
+    for inputs, _ in loader:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(tokens.to(device, non_blocking=True))
+            logits = model(to_device(inputs, device))
         out.append(torch.softmax(logits.float(), dim=1).cpu().numpy())
     model.train(was_training)
     return np.concatenate(out) if out else np.zeros((0, 0), dtype=np.float32)
+
+
+def open_split(prepared_dir, split: str, model_cfg, max_len: int) -> EncodedSplit:
+    """The split with the inputs ``model_cfg`` reads (words, characters or both)."""
+    from training.models import model_inputs
+
+    return EncodedSplit(prepared_dir, split, max_len, model_inputs(model_cfg), model_cfg.max_char_len)
+
+
+def load_model(checkpoint: str):
+    """A model rebuilt from a verified checkpoint (architecture and vocabulary sizes travel inside)."""
+    from training.checkpoint import load_checkpoint
+    from training.config import ModelConfig
+    from training.models import build_model
+
+    state = load_checkpoint(checkpoint)
+    cfg = ModelConfig.model_validate(state["model_config"])
+    model = build_model(cfg, state["vocab_sizes"], state["num_classes"])
+    model.load_state_dict(state["model"])
+    return model, cfg, state

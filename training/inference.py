@@ -20,10 +20,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from training.checkpoint import load_checkpoint
-from training.config import ModelConfig, PreprocessConfig
+from training.config import PreprocessConfig
 from training.data.vocab import UNK
-from training.models import build_model, min_input_len
+from training.evaluate import load_model
+from training.models import min_input_len, model_inputs
 from training.text.clean import normalizer
 from training.text.segment import Segmenter
 
@@ -39,27 +39,31 @@ class TextClassifier(mlflow.pyfunc.PythonModel):
         # the user's dictionary and stop-word files travel as artifacts: point the settings at those copies
         files = {key: context.artifacts[key] for key in ("user_dict", "stopwords_file") if key in context.artifacts}
         self.pre = PreprocessConfig.model_validate(meta["preprocess"] | files)
-        vocab = json.loads(Path(context.artifacts["vocab"]).read_text(encoding="utf-8"))
-        self.stoi = {tok: i for i, tok in enumerate(vocab)}
         self.normalize = normalizer(self.pre)
         self.segmenter = Segmenter.from_config(self.pre)
-        state = load_checkpoint(context.artifacts["checkpoint"])
-        self.model_cfg = ModelConfig.model_validate(state["model_config"])
-        self.model = build_model(self.model_cfg, state["vocab_size"], state["num_classes"])
-        self.model.load_state_dict(state["model"])
+        self.chars = Segmenter("char", "none")
+        self.model, self.model_cfg, _ = load_model(context.artifacts["checkpoint"])
         self.model.eval()
+        self.inputs = model_inputs(self.model_cfg)
+        self.stoi = {}
+        for name, key in (("word", "vocab"), ("char", "char_vocab")):
+            if name in self.inputs:
+                vocab = json.loads(Path(context.artifacts[key]).read_text(encoding="utf-8"))
+                self.stoi[name] = {tok: i for i, tok in enumerate(vocab)}
+        self.limits = {"word": self.pre.max_len, "char": self.model_cfg.max_char_len}
         self.min_len = min_input_len(self.model_cfg)
 
-    def _encode(self, texts: list[str]) -> torch.Tensor:
-        unk = self.stoi[UNK]
-        rows = []
-        for text in texts:
-            tokens = self.segmenter.tokenize(self.normalize(text))
-            rows.append([self.stoi.get(t, unk) for t in tokens][: self.pre.max_len])
-        width = max([self.min_len] + [len(r) for r in rows])
-        batch = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, ids in enumerate(rows):
-            batch[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    def _encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        clean = [self.normalize(t) for t in texts]
+        batch = {}
+        for name in self.inputs:
+            tokenizer = self.segmenter if name == "word" else self.chars
+            stoi, unk = self.stoi[name], self.stoi[name][UNK]
+            rows = [[stoi.get(t, unk) for t in tokenizer.tokenize(c)][: self.limits[name]] for c in clean]
+            ids = torch.zeros(len(rows), max([self.min_len] + [len(r) for r in rows]), dtype=torch.long)
+            for i, row in enumerate(rows):
+                ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            batch[name] = ids
         return batch
 
     def predict_proba(self, texts: list[str], batch_size: int = 256) -> np.ndarray:

@@ -10,12 +10,18 @@ import torch
 from torch import nn
 from torch.nn.utils import prune as torch_prune
 
-PRUNABLE = (nn.Conv1d, nn.Linear)
-
-
 def prunable_weights(model: nn.Module, include_embedding: bool = False) -> list[tuple[nn.Module, str]]:
-    kinds = PRUNABLE + ((nn.Embedding,) if include_embedding else ())
-    return [(m, "weight") for m in model.modules() if isinstance(m, kinds)]
+    """The weight matrices of convolutions, linear layers, LSTMs and attention (and embeddings if asked)."""
+    out: list[tuple[nn.Module, str]] = []
+    for module in model.modules():
+        if isinstance(module, (nn.Conv1d, nn.Linear)) or (include_embedding and isinstance(module, nn.Embedding)):
+            out.append((module, "weight"))
+        elif isinstance(module, nn.LSTM):
+            names = [n for n in module._flat_weights_names if n.startswith("weight")]
+            out.extend((module, n) for n in names)
+        elif isinstance(module, nn.MultiheadAttention) and module.in_proj_weight is not None:
+            out.append((module, "in_proj_weight"))
+    return out
 
 
 def _weight(module: nn.Module, name: str) -> torch.Tensor:
@@ -29,7 +35,7 @@ def sparsity(model: nn.Module, include_embedding: bool = False) -> dict[str, flo
     for module, name in prunable_weights(model, include_embedding):
         w = _weight(module, name)
         z = int((w == 0).sum())
-        per_layer[f"sparsity.{names[module]}"] = z / w.numel()
+        per_layer[f"sparsity.{names[module]}.{name}"] = z / w.numel()
         zeros, total = zeros + z, total + w.numel()
     all_zeros = sum(int((p == 0).sum()) for p in model.parameters())
     all_total = sum(p.numel() for p in model.parameters())

@@ -11,6 +11,7 @@ restart (torchrun --max-restarts) it resumes from ``last.pt``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -31,19 +32,33 @@ from torch.utils.data import DataLoader, DistributedSampler
 from training import distributed
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import WorkerJob
-from training.data.dataset import EncodedSplit, pad_batch
+from training.data.dataset import pad_batch, to_device
 from training.data.prepare import load_manifest
-from training.evaluate import predict_proba
+from training.evaluate import open_split, predict_proba
 from training.models import build_model, min_input_len
 from training.prune import prunable_weights
 from training.metric_logger import MetricLogger, NullLogger
 
 
-def lr_lambda(step: int, total: int, warmup: int) -> float:
-    """Linear warm-up, then linear decay to zero."""
+def lr_lambda(step: int, total: int, warmup: int, schedule: str = "linear") -> float:
+    """Linear warm-up, then linear or cosine decay to zero (or constant)."""
     if step < warmup:
         return (step + 1) / warmup
-    return max(0.0, (total - step) / max(1, total - warmup))
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0 - progress
+
+
+def _fault_injection(info, step: int) -> None:
+    """Test hook: with ZHFLOW_TEST_KILL_AT_STEP=N and ZHFLOW_TEST_KILL_ONCE_FILE=F set, rank 1 SIGKILLs
+    itself at optimiser step N, once (F marks that it happened)."""
+    at, marker = os.environ.get("ZHFLOW_TEST_KILL_AT_STEP"), os.environ.get("ZHFLOW_TEST_KILL_ONCE_FILE")
+    if at and marker and info.rank == min(1, info.world_size - 1) and step == int(at) and not os.path.exists(marker):
+        Path(marker).touch()
+        os.kill(os.getpid(), 9)
 
 
 def masked_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -61,10 +76,10 @@ class Trainer:
         self.out = Path(job.out_dir)
         manifest = load_manifest(job.prepared_dir)
         self.num_classes = len(manifest["labels"])
-        self.vocab_size = manifest["vocab_size"]
+        self.vocab_sizes = {"word": manifest["vocab_size"], "char": manifest["char_vocab_size"]}
         self.min_len = min_input_len(job.model)
         torch.manual_seed(job.train.seed)  # same initial weights on every rank
-        model = build_model(job.model, self.vocab_size, self.num_classes)
+        model = build_model(job.model, self.vocab_sizes, self.num_classes)
         if job.init_checkpoint:
             model.load_state_dict(load_checkpoint(job.init_checkpoint)["model"])
         if job.keep_sparsity:
@@ -73,8 +88,13 @@ class Trainer:
         self.raw_model = model.to(info.device)
         self.model = DDP(self.raw_model, device_ids=[info.local_rank] if info.device.type == "cuda" else None) if info.ddp else self.raw_model
 
-        self.train_set = EncodedSplit(job.prepared_dir, "train", job.max_len)
-        self.val_set = EncodedSplit(job.prepared_dir, "val", job.max_len)
+        self.train_set = open_split(job.prepared_dir, "train", job.model, job.max_len)
+        self.val_set = open_split(job.prepared_dir, "val", job.model, job.max_len)
+        self.class_weights = None
+        if job.train.class_weights == "balanced":
+            counts = np.bincount(self.train_set.labels, minlength=self.num_classes).astype(np.float64)
+            weights = counts.sum() / (self.num_classes * np.maximum(counts, 1))
+            self.class_weights = torch.tensor(weights, dtype=torch.float32, device=info.device)
         self.sampler = DistributedSampler(self.train_set, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=job.train.seed)
         self.loader = DataLoader(
             self.train_set, batch_size=job.train.batch_size, sampler=self.sampler,
@@ -82,15 +102,15 @@ class Trainer:
         )
         t = job.train
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-        self.total_steps = t.epochs * len(self.loader)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, partial(lr_lambda, total=self.total_steps, warmup=max(1, self.total_steps // 20))
-        )
+        self.total_steps = t.epochs * math.ceil(len(self.loader) / t.grad_accum)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(
+            lr_lambda, total=self.total_steps, warmup=max(1, int(self.total_steps * t.warmup_ratio)), schedule=t.schedule))
         run_id = job.mlflow_run_id or os.environ.get("MLFLOW_RUN_ID")
         self.log = MetricLogger(run_id) if info.is_main and run_id else NullLogger()
         self.epoch, self.step, self.best_f1, self.best_epoch, self.bad_epochs = 0, 0, -1.0, 0, 0
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         self._resume()
+        self.resumed_after_epoch = self.epoch
 
     # ---- checkpoints ----------------------------------------------------------
     def _resume(self) -> None:
@@ -118,7 +138,7 @@ class Trainer:
         clean = masked_copy(self.raw_model).cpu()
         save_checkpoint(self.out / "best.pt", {
             "model": clean.state_dict(), "model_config": self.job.model.model_dump(),
-            "vocab_size": self.vocab_size, "num_classes": self.num_classes, "max_len": self.job.max_len,
+            "vocab_sizes": self.vocab_sizes, "num_classes": self.num_classes, "max_len": self.job.max_len,
             "epoch": self.epoch, "step": self.step, "metrics": metrics,
         }, epoch=self.epoch, step=self.step)
 
@@ -130,27 +150,34 @@ class Trainer:
     def _run_epoch(self) -> float:
         self.sampler.set_epoch(self.epoch)
         self.model.train()
+        t = self.job.train
         n_batches, losses, seen = len(self.loader), [], 0
         started, report_every = time.perf_counter(), max(1, n_batches // 10)
-        for i, (tokens, labels) in enumerate(self.loader, 1):
-            tokens = tokens.to(self.info.device, non_blocking=True)
-            labels = labels.to(self.info.device, non_blocking=True)
-            with torch.autocast(self.info.device.type, dtype=torch.bfloat16, enabled=self.info.device.type == "cuda"):
-                loss = F.cross_entropy(self.model(tokens).float(), labels)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if self.job.train.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.train.grad_clip)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.step += 1
+        for i, (inputs, labels) in enumerate(self.loader, 1):
+            inputs, labels = to_device(inputs, self.info.device), labels.to(self.info.device, non_blocking=True)
+            last_micro = i % t.grad_accum == 0 or i == n_batches
+            # DDP: all-reduce gradients only on the micro-batch that steps the optimiser
+            sync = self.model.no_sync() if self.info.ddp and not last_micro else contextlib.nullcontext()
+            with sync:
+                with torch.autocast(self.info.device.type, dtype=torch.bfloat16, enabled=self.info.device.type == "cuda"):
+                    logits = self.model(inputs).float()
+                loss = F.cross_entropy(logits, labels, weight=self.class_weights, label_smoothing=t.label_smoothing)
+                (loss / t.grad_accum).backward()
+            if last_micro:
+                if t.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.step += 1
+                _fault_injection(self.info, self.step)
+                if self.step % t.log_every == 0:
+                    self.log.add(self.step, train_loss=loss.item(), lr=self.scheduler.get_last_lr()[0])
             losses.append(loss.item())
             seen += len(labels)
-            if self.step % self.job.train.log_every == 0:
-                self.log.add(self.step, train_loss=loss.item(), lr=self.scheduler.get_last_lr()[0])
             if i % report_every == 0 or i == n_batches:
                 rate = seen * self.info.world_size / (time.perf_counter() - started)
-                self.print(f"epoch {self.epoch + 1}/{self.job.train.epochs} [{100 * i // n_batches:3d}%] "
+                self.print(f"epoch {self.epoch + 1}/{t.epochs} [{100 * i // n_batches:3d}%] "
                            f"step {i}/{n_batches} loss {np.mean(losses[-report_every:]):.4f} {rate:.0f} samples/s")
         self._epoch_rate = seen * self.info.world_size / (time.perf_counter() - started)
         return float(np.mean(losses)) if losses else math.nan
@@ -197,7 +224,8 @@ class Trainer:
                        + (" (best)" if improved else f" (no gain {self.bad_epochs}/{t.patience})"))
         result = {"best_checkpoint": str(self.out / "best.pt"), "best_epoch": self.best_epoch,
                   "best_val_macro_f1": self.best_f1, "epochs_run": self.epoch, "steps": self.step,
-                  "stopped_early": self.epoch < t.epochs, "world_size": self.info.world_size, "restarts": self.restarts}
+                  "stopped_early": self.epoch < t.epochs, "world_size": self.info.world_size, "restarts": self.restarts,
+                  "resumed_after_epoch": self.resumed_after_epoch}
         self.log.add(self.step, best_val_macro_f1=self.best_f1, best_epoch=self.best_epoch)
         self.log.flush()
         if self.info.is_main:

@@ -1,4 +1,8 @@
-"""Read a prepared split back as a torch Dataset (ranks never tokenize)."""
+"""Read a prepared split back as a torch Dataset (ranks never tokenize).
+
+Items are ``({"word": ids, "char": ids}, label)`` with the inputs the model
+asks for; batches pad each input to its longest text.
+"""
 
 from __future__ import annotations
 
@@ -8,31 +12,49 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+FILES = {"word": ("ids", "offsets"), "char": ("char_ids", "char_offsets")}
+
 
 class EncodedSplit(Dataset):
-    """Token ids of one split, truncated to ``max_len``; memory-mapped, so every rank shares the pages."""
+    """Token ids of one split, truncated; memory-mapped, so every rank shares the pages."""
 
-    def __init__(self, prepared_dir: str | Path, split: str, max_len: int):
+    def __init__(self, prepared_dir: str | Path, split: str, max_len: int, inputs: tuple[str, ...] = ("word",),
+                 max_char_len: int = 256):
         root = Path(prepared_dir)
-        self.ids = np.load(root / f"{split}.ids.npy", mmap_mode="r")
-        self.offsets = np.load(root / f"{split}.offsets.npy")
+        self.inputs = inputs
+        self.limits = {"word": max_len, "char": max_char_len}
+        self.arrays = {
+            name: (np.load(root / f"{split}.{FILES[name][0]}.npy", mmap_mode="r"), np.load(root / f"{split}.{FILES[name][1]}.npy"))
+            for name in inputs
+        }
         self.labels = np.load(root / f"{split}.labels.npy")
-        self.max_len = max_len
 
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
-        end = min(end, start + self.max_len)
-        return torch.from_numpy(np.array(self.ids[start:end], dtype=np.int64)), int(self.labels[i])
+    def __getitem__(self, i: int) -> tuple[dict[str, torch.Tensor], int]:
+        item = {}
+        for name, (ids, offsets) in self.arrays.items():
+            start, end = int(offsets[i]), int(offsets[i + 1])
+            end = min(end, start + self.limits[name])
+            item[name] = torch.from_numpy(np.array(ids[start:end], dtype=np.int64))
+        return item, int(self.labels[i])
 
 
-def pad_batch(batch: list[tuple[torch.Tensor, int]], min_len: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad with id 0 to the longest text of the batch (at least ``min_len``, the widest kernel)."""
-    width = max(min_len, max(len(ids) for ids, _ in batch))
-    tokens = torch.zeros(len(batch), width, dtype=torch.long)
-    for row, (ids, _) in enumerate(batch):
-        tokens[row, : len(ids)] = ids
+def pad_batch(batch: list, min_len: int = 1) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Right-pad each input with id 0 to the longest text of the batch (at least ``min_len``, the widest kernel)."""
+    if not isinstance(batch[0][0], dict):  # a bare (ids, label) list: word input
+        batch = [({"word": ids}, label) for ids, label in batch]
+    padded = {}
+    for name in batch[0][0]:
+        width = max(min_len, max(len(item[name]) for item, _ in batch))
+        tokens = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, (item, _) in enumerate(batch):
+            tokens[row, : len(item[name])] = item[name]
+        padded[name] = tokens
     labels = torch.tensor([label for _, label in batch], dtype=torch.long)
-    return tokens, labels
+    return padded, labels
+
+
+def to_device(inputs: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {name: t.to(device, non_blocking=True) for name, t in inputs.items()}
