@@ -13,10 +13,10 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench import preprocess, quality
+from bench import preprocess, quality, training
 from bench.common import machine
 
-SECTIONS = {"quality": quality.run, "preprocess": preprocess.run}
+SECTIONS = {"quality": quality.run, "preprocess": preprocess.run, "training": training.run}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -111,6 +111,7 @@ class Trainer:
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         self._resume()
         self.resumed_after_epoch = self.epoch
+        self.epoch_rates: list[float] = []  # training samples/s of each epoch run here
 
     # ---- checkpoints ----------------------------------------------------------
     def _resume(self) -> None:
@@ -214,6 +215,7 @@ class Trainer:
             else:
                 self.bad_epochs += 1
             epoch_s = time.perf_counter() - started
+            self.epoch_rates.append(self._epoch_rate)
             self.log.add(self.epoch, epoch=self.epoch, train_loss_epoch=train_loss, epoch_seconds=epoch_s,
                          samples_per_second=self._epoch_rate, **val)
             if self.info.is_main:  # checkpoint before the metrics reach MLflow: a restart never logs an epoch twice
@@ -225,7 +227,7 @@ class Trainer:
         result = {"best_checkpoint": str(self.out / "best.pt"), "best_epoch": self.best_epoch,
                   "best_val_macro_f1": self.best_f1, "epochs_run": self.epoch, "steps": self.step,
                   "stopped_early": self.epoch < t.epochs, "world_size": self.info.world_size, "restarts": self.restarts,
-                  "resumed_after_epoch": self.resumed_after_epoch}
+                  "resumed_after_epoch": self.resumed_after_epoch, "epoch_samples_per_second": self.epoch_rates}
         self.log.add(self.step, best_val_macro_f1=self.best_f1, best_epoch=self.best_epoch)
         self.log.flush()
         if self.info.is_main:

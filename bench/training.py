@@ -1,0 +1,107 @@
+"""Training throughput: the worker against a bare PyTorch loop, and 1 against 2 DDP processes, per family."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from bench.common import Timing, verdict
+from training.config import WorkerJob, preset
+from training.data.dataset import pad_batch
+from training.data.prepare import load_manifest, prepare_dataset
+from training.evaluate import open_split
+from training.models import build_model, min_input_len
+
+FAMILIES = ("textcnn", "bilstm", "transformer")
+EPOCHS = 2  # the rate of the last epoch is used: the first pays for warm-up
+
+
+def _worker_rate(prepared: Path, family: str, nproc: int, tmp: Path) -> float:
+    cfg = preset("default", family)
+    out = tmp / f"{family}-{nproc}-{time.monotonic_ns()}"
+    job = WorkerJob(stage="train", prepared_dir=str(prepared), out_dir=str(out), model=cfg.model,
+                    train=cfg.train.model_copy(update={"epochs": EPOCHS, "patience": EPOCHS}), max_len=cfg.preprocess.max_len)
+    out.mkdir(parents=True)
+    (out / "job.json").write_text(job.model_dump_json())
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env.pop("MLFLOW_RUN_ID", None)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                    "-m", "training.worker", "--config", str(out / "job.json")],
+                   check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return json.loads((out / "result.json").read_text())["epoch_samples_per_second"][-1]
+
+
+def _bare_rate(prepared: Path, family: str) -> float:
+    """The same model, batch and threads in the plainest loop: no DDP, no sampler, no logging, no validation."""
+    cfg = preset("default", family)
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    manifest = load_manifest(prepared)
+    model = build_model(cfg.model, {"word": manifest["vocab_size"], "char": manifest["char_vocab_size"]}, len(manifest["labels"]))
+    data = open_split(prepared, "train", cfg.model, cfg.preprocess.max_len)
+    loader = DataLoader(data, batch_size=cfg.train.batch_size, shuffle=True,
+                        collate_fn=partial(pad_batch, min_len=min_input_len(cfg.model)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
+    model.train()
+    rate = 0.0
+    for _ in range(EPOCHS):
+        started, seen = time.perf_counter(), 0
+        for inputs, labels in loader:
+            loss = F.cross_entropy(model(inputs), labels)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            seen += len(labels)
+        rate = seen / (time.perf_counter() - started)
+    return rate
+
+
+def run(quick: bool, repeats: int) -> str:
+    families = ("textcnn",) if quick else FAMILIES
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        cfg = preset("default")
+        data = cfg.data.model_copy(update={"max_samples": 2000 if quick else None})
+        manifest = prepare_dataset(data, cfg.preprocess, tmp / "prepared")
+        rows = []
+        findings = []
+        for family in families:
+            rates: dict[str, list[float]] = {"bare loop, 1 process": [], "worker, 1 process": [], "worker, 2 processes (DDP)": []}
+            for _ in range(repeats):  # interleaved: A B C A B C
+                rates["bare loop, 1 process"].append(_bare_rate(tmp / "prepared", family))
+                rates["worker, 1 process"].append(_worker_rate(tmp / "prepared", family, 1, tmp))
+                rates["worker, 2 processes (DDP)"].append(_worker_rate(tmp / "prepared", family, 2, tmp))
+            med = {k: Timing(v).median for k, v in rates.items()}
+            for name, values in rates.items():
+                t = Timing(values)
+                rows.append(f"| {family} | {name} | {t.median:,.0f} (±{100 * t.spread:.0f}%) |")
+            overhead = med["worker, 1 process"] / med["bare loop, 1 process"]
+            scaling = med["worker, 2 processes (DDP)"] / med["worker, 1 process"]
+            findings.append(f"- {family}: worker / bare loop = {overhead:.2f} (target at least 0.9: {verdict(overhead >= 0.9)}); "
+                            f"2 processes / 1 process = {scaling:.2f}x (target at least 1.4: {verdict(scaling >= 1.4)}).")
+    n_train = manifest["splits"]["train"]["n"]
+    return "\n".join([
+        "## Training throughput",
+        "",
+        f"Training samples/s of the last of {EPOCHS} epochs on {n_train:,} training texts, default preset of each family "
+        f"(batch {cfg.train.batch_size} per process), {repeats} interleaved runs each, median (± half the range). "
+        f"One process uses all {os.cpu_count()} cores' threads; with 2 processes each gets half.",
+        "",
+        "| family | how | samples/s |",
+        "|---|---|---|",
+        *rows,
+        "",
+        *findings,
+        "",
+    ])
