@@ -16,7 +16,7 @@ from pathlib import Path
 from bench import preprocess, quality, training
 from bench.common import machine
 
-SECTIONS = {"quality": quality.run, "preprocess": preprocess.run, "training": training.run}
+SECTIONS = {"preprocess": preprocess.run, "training": training.run, "quality": quality.run}  # run in this order
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,27 +31,46 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown section(s): {', '.join(unknown)}")
     started = time.perf_counter()
-    parts = []
+    parts = {}
     for name in names:
         t0 = time.perf_counter()
         print(f"bench: {name} ...", flush=True)
-        parts.append(SECTIONS[name](args.quick, args.repeats))
+        body = SECTIONS[name](args.quick, args.repeats).rstrip() + "\n"
+        stamp = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
+        flags = " --quick" if args.quick else ""
+        parts[name] = body + f"\n_Measured by `python -m bench{flags} --only {name}` (or a full run) on {stamp}, " \
+                             f"in {time.perf_counter() - t0:.0f} s._\n"
         print(f"bench: {name} done in {time.perf_counter() - t0:.0f}s", flush=True)
-    command = "python -m bench" + (" --quick" if args.quick else "") + (f" --only {args.only}" if args.only else "")
+    sections = _existing_sections(args.out) if args.only else {}
+    sections.update(parts)
+    command = "python -m bench" + (" --quick" if args.quick else "")
     header = [
         "# Benchmarks",
         "",
-        f"Written by `{command}` (`make bench`) on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
-        f"in {time.perf_counter() - started:.0f} s.",
+        f"`{command}` (`make bench`; `--quick` for a short run, `--only SECTION` to re-measure one section in place).",
         "",
         f"Machine: {machine()}.",
         "",
         "Each alternative is measured in the same invocation, interleaved, so the ratios hold on a noisy machine.",
         "",
     ]
-    args.out.write_text("\n".join(header + parts), encoding="utf-8")
-    print(f"bench: wrote {args.out}")
+    ordered = [sections[n] for n in SECTIONS if n in sections]
+    args.out.write_text("\n".join(header) + "\n" + "\n".join(ordered), encoding="utf-8")
+    print(f"bench: wrote {args.out} in {time.perf_counter() - started:.0f}s")
     return 0
+
+
+def _existing_sections(path: Path) -> dict[str, str]:
+    """The sections of an earlier report, by name, so --only replaces just its own."""
+    if not path.is_file():
+        return {}
+    text = path.read_text(encoding="utf-8")
+    found = {}
+    for chunk in text.split("\n## ")[1:]:
+        for name in SECTIONS:
+            if f"--only {name}`" in chunk:
+                found[name] = "## " + chunk.rstrip() + "\n"
+    return found
 
 
 if __name__ == "__main__":

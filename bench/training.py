@@ -26,14 +26,14 @@ FAMILIES = ("textcnn", "bilstm", "transformer")
 EPOCHS = 2  # the rate of the last epoch is used: the first pays for warm-up
 
 
-def _worker_rate(prepared: Path, family: str, nproc: int, tmp: Path) -> float:
+def _worker_rate(prepared: Path, family: str, nproc: int, tmp: Path, threads: int | None = None) -> float:
     cfg = preset("default", family)
     out = tmp / f"{family}-{nproc}-{time.monotonic_ns()}"
     job = WorkerJob(stage="train", prepared_dir=str(prepared), out_dir=str(out), model=cfg.model,
                     train=cfg.train.model_copy(update={"epochs": EPOCHS, "patience": EPOCHS}), max_len=cfg.preprocess.max_len)
     out.mkdir(parents=True)
     (out / "job.json").write_text(job.model_dump_json())
-    threads = max(1, (os.cpu_count() or 1) // nproc)
+    threads = threads or max(1, (os.cpu_count() or 1) // nproc)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     env.pop("MLFLOW_RUN_ID", None)
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
@@ -72,24 +72,28 @@ def run(quick: bool, repeats: int) -> str:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         cfg = preset("default")
-        data = cfg.data.model_copy(update={"max_samples": 2000 if quick else None})
+        data = cfg.data.model_copy(update={"max_samples": 2000 if quick else 6000})
         manifest = prepare_dataset(data, cfg.preprocess, tmp / "prepared")
         rows = []
         findings = []
         for family in families:
-            rates: dict[str, list[float]] = {"bare loop, 1 process": [], "worker, 1 process": [], "worker, 2 processes (DDP)": []}
-            for _ in range(repeats):  # interleaved: A B C A B C
+            rates: dict[str, list[float]] = {"bare loop, 1 process": [], "worker, 1 process": [],
+                                             "worker, 2 processes (DDP)": [], "worker, 1 process, 1 thread": []}
+            for _ in range(repeats):  # interleaved: A B C D A B C D
                 rates["bare loop, 1 process"].append(_bare_rate(tmp / "prepared", family))
                 rates["worker, 1 process"].append(_worker_rate(tmp / "prepared", family, 1, tmp))
                 rates["worker, 2 processes (DDP)"].append(_worker_rate(tmp / "prepared", family, 2, tmp))
+                rates["worker, 1 process, 1 thread"].append(_worker_rate(tmp / "prepared", family, 1, tmp, threads=1))
             med = {k: Timing(v).median for k, v in rates.items()}
             for name, values in rates.items():
                 t = Timing(values)
                 rows.append(f"| {family} | {name} | {t.median:,.0f} (±{100 * t.spread:.0f}%) |")
             overhead = med["worker, 1 process"] / med["bare loop, 1 process"]
             scaling = med["worker, 2 processes (DDP)"] / med["worker, 1 process"]
+            per_core = med["worker, 2 processes (DDP)"] / med["worker, 1 process, 1 thread"]
             findings.append(f"- {family}: worker / bare loop = {overhead:.2f} (target at least 0.9: {verdict(overhead >= 0.9)}); "
-                            f"2 processes / 1 process = {scaling:.2f}x (target at least 1.4: {verdict(scaling >= 1.4)}).")
+                            f"2 processes / 1 process = {scaling:.2f}x (target at least 1.4: {verdict(scaling >= 1.4)}); "
+                            f"2 single-thread processes / 1 single-thread process = {per_core:.2f}x.")
     n_train = manifest["splits"]["train"]["n"]
     return "\n".join([
         "## Training throughput",
@@ -103,5 +107,9 @@ def run(quick: bool, repeats: int) -> str:
         *rows,
         "",
         *findings,
+        "",
+        "On 2 cores one process already keeps both busy with intra-op threads, so a second process can only add "
+        "the all-reduce of every gradient (the embedding table dominates) on top of the same arithmetic; "
+        "the single-thread comparison shows what DDP itself scales.",
         "",
     ])

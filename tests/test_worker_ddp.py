@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -42,6 +43,28 @@ def _env(**extra) -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", **extra)
 
 
+def _start(cmd, env) -> subprocess.Popen:
+    # a session of its own: a timed-out test kills torchrun *and* its workers
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+
+
+def _wait(procs: list[subprocess.Popen], timeout: int = 300) -> list[subprocess.CompletedProcess]:
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def _run(cmd, env, timeout: int = 300) -> subprocess.CompletedProcess:
+    return _wait([_start(cmd, env)], timeout)[0]
+
+
 def _no_duplicate_steps(client, run_id, key):
     steps = [m.step for m in client.get_metric_history(run_id, key)]
     assert steps and len(steps) == len(set(steps)), f"{key}: {steps}"
@@ -54,7 +77,7 @@ def test_two_process_ddp_run_per_family(tmp_path, prepared, mlflow_store, family
     run = client.create_run(client.create_experiment(f"ddp-{family}"))
     job = _job(tmp_path, prepared, family=family, run_id=run.info.run_id)
     job = job.model_copy(update={"model": job.model.model_copy(update={"input": inputs})})
-    out = subprocess.run(_cmd(job, tmp_path), capture_output=True, text=True, env=_env(MLFLOW_TRACKING_URI=mlflow_store), timeout=300)
+    out = _run(_cmd(job, tmp_path), _env(MLFLOW_TRACKING_URI=mlflow_store))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "2 process(es) on cpu" in out.stdout
 
@@ -74,7 +97,7 @@ def test_killed_rank_restarts_and_resumes_without_duplicate_metrics(tmp_path, pr
     run = client.create_run(client.create_experiment("restart"))
     job = _job(tmp_path, prepared, run_id=run.info.run_id, max_restarts=1)  # 3 optimiser steps per epoch
     env = _env(MLFLOW_TRACKING_URI=mlflow_store, ZHFLOW_TEST_KILL_AT_STEP="5", ZHFLOW_TEST_KILL_ONCE_FILE=str(tmp_path / "killed"))
-    out = subprocess.run(_cmd(job, tmp_path), capture_output=True, text=True, env=env, timeout=300)
+    out = _run(_cmd(job, tmp_path), env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (tmp_path / "killed").exists()  # rank 1 really died mid-epoch 2
     assert "resumed from" in out.stdout and "after epoch 1 (restart 1)" in out.stdout
@@ -98,25 +121,23 @@ def test_two_nodes_meet_at_a_c10d_rendezvous(tmp_path, prepared):
     for node in (0, 1):
         extra = ("--nnodes", "2", "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                  "--rdzv-id", "two-nodes-test")
-        procs.append(subprocess.Popen(_cmd(job, tmp_path, nproc=1, extra=extra), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, env=_env()))
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+        procs.append(_start(_cmd(job, tmp_path, nproc=1, extra=extra), _env()))
+    outputs = _wait(procs)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o.stdout[-2000:] + o.stderr[-2000:] for o in outputs)
     result = json.loads((tmp_path / "out" / "result.json").read_text())
     assert result["world_size"] == 2 and result["epochs_run"] == 2
 
 
 def test_two_runs_at_once_do_not_collide(tmp_path, prepared):
-    procs = [subprocess.Popen(_cmd(_job(tmp_path, prepared, name=f"run{i}", epochs=2), tmp_path),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()) for i in (0, 1)]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    procs = [_start(_cmd(_job(tmp_path, prepared, name=f"run{i}", epochs=2), tmp_path), _env()) for i in (0, 1)]
+    outputs = _wait(procs)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o.stdout[-2000:] + o.stderr[-2000:] for o in outputs)
     for i in (0, 1):
         assert json.loads((tmp_path / f"run{i}" / "result.json").read_text())["world_size"] == 2
 
 
 def test_worker_error_reaches_the_caller(tmp_path, prepared):
     job = _job(tmp_path, prepared).model_copy(update={"prepared_dir": str(tmp_path / "missing")})
-    out = subprocess.run(_cmd(job, tmp_path), capture_output=True, text=True, env=_env(), timeout=300)
+    out = _run(_cmd(job, tmp_path), _env())
     assert out.returncode != 0
     assert "no manifest" in out.stdout + out.stderr
