@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 
 import mlflow
 import pandas as pd
+from mlflow.data.dataset_source_registry import resolve_dataset_source
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
@@ -76,9 +78,12 @@ def preprocess(data: DataConfig, pre: PreprocessConfig, augment: AugmentConfig, 
                            | {f"{s}_oov_rate": v["unk_rate"] for s, v in manifest["splits"].items()}
                            | {"vocab_size": manifest["vocab_size"]})
         mlflow.log_dict(manifest, "manifest.json")
+        with warnings.catch_warnings():  # MLflow registers its local-file source twice and warns that it must pick one
+            warnings.simplefilter("ignore", UserWarning)
+            source = resolve_dataset_source(manifest["dataset"]["source"])
         for split, context in (("train", "training"), ("val", "validation"), ("test", "testing")):
             frame = pd.read_json(Path(prepared["path"]) / f"{split}.jsonl", lines=True)[["clean", "label"]]
-            dataset = mlflow.data.from_pandas(frame, source=manifest["dataset"]["source"], targets="label",
+            dataset = mlflow.data.from_pandas(frame, source=source, targets="label",
                                               name=f"{Path(manifest['dataset']['name']).name}-{split}",
                                               digest=manifest["splits"][split]["digest"][:16])
             mlflow.log_input(dataset, context=context)
