@@ -31,7 +31,11 @@ INPUT_COLUMN = "text"
 
 
 class TextClassifier(mlflow.pyfunc.PythonModel):
-    """Artifacts: ``checkpoint`` (best.pt), its sidecar, ``vocab`` (vocab.json), ``meta`` (labels, preprocessing)."""
+    """Artifacts: ``checkpoint`` (best.pt), its sidecar, ``vocab`` / ``char_vocab``, ``meta`` (labels, preprocessing)."""
+
+    # predict takes a list, a Series or a DataFrame on purpose: no type-hint wrapper converting every input to one
+    # type (MLflow's own switch for that, which also stops its advice to add type hints at import)
+    _skip_type_hint_validation = True
 
     def load_context(self, context) -> None:
         meta = json.loads(Path(context.artifacts["meta"]).read_text(encoding="utf-8"))
