@@ -1,4 +1,4 @@
-"""The ``zhflow`` command.
+"""The zhflow command.
 
     zhflow run                                   # default preset, built-in corpus, all CPU cores
     zhflow run --preset tiny --nproc 2 --json-out summary.json
@@ -60,7 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--nproc", type=int, help="DDP processes (default: GPUs, or CPU cores)")
     run.add_argument("--experiment", default="zhflow", help="MLflow experiment (default: zhflow)")
     run.add_argument("--json-out", type=Path, help="write the run summary as JSON here")
-    prep = sub.add_parser("preprocess", help="only the preprocessing stage, into --out; prints the manifest's summary")
+    prep = sub.add_parser(
+        "preprocess", help="only the preprocessing stage, into --out; prints the manifest's summary",
+        description="Clean, deduplicate, split, segment and encode a dataset into --out (no Prefect, no MLflow), with the "
+                    "same code as `zhflow run`. Settings come from --preset (default: default) and --set.\n\n"
+                    "  zhflow preprocess --dataset news.csv --text-columns title,content --out prepared/",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     _data_options(prep)
     prep.add_argument("--out", type=Path, required=True, help="folder to write the prepared dataset to")
     return parser
@@ -109,9 +114,10 @@ def _print_summary(summary: dict) -> None:
     table.add_row("model", f"{model['uri']}  alias: {model['alias']}")
     table.add_row("prepared data", summary["prepared_data"] + ("  (cached)" if summary.get("preprocess_cached") else ""))
     uri = mlflow.get_tracking_uri()
-    mlflow_ui = "mlflow ui" if "MLFLOW_TRACKING_URI" not in os.environ else f"mlflow ui --backend-store-uri {uri}"
+    bin_dir = Path(sys.executable).parent
+    mlflow_ui = f"{bin_dir / 'mlflow'} ui --backend-store-uri {uri}"
     table.add_row("MLflow UI", f"{mlflow_ui}   (then http://127.0.0.1:5000)")
-    table.add_row("Prefect UI", "prefect server start   (then http://127.0.0.1:4200; runs appear there once "
+    table.add_row("Prefect UI", f"{bin_dir / 'prefect'} server start   (then http://127.0.0.1:4200; runs appear there once "
                   "PREFECT_API_URL=http://127.0.0.1:4200/api is set)")
     console.print(table)
 
@@ -125,7 +131,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"zhflow: error: {err}\n")
     if args.command == "preprocess":
         return preprocess_command(config, args.out)
+    from training.data.prepare import check_dataset
+    from training.data.readers import DatasetError
+
+    try:
+        check_dataset(config.data)  # a wrong path or column fails here, before a server starts or a run is recorded
+    except DatasetError as err:
+        parser.exit(2, f"zhflow: error: {err}\n")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry from the temporary server
     from flows.pipeline import train_pipeline  # after validation: bad flags fail fast, before Prefect loads
 
     try:

@@ -47,7 +47,7 @@ def _prefect_tags() -> dict[str, str]:
         tags[FLOW_RUN_TAG] = str(flow_run.id)
         tags["prefect.flow_run_name"] = str(flow_run.name)
         tags["prefect.flow_name"] = str(flow_run.flow_name)
-        if flow_run.ui_url:
+        if flow_run.ui_url and not str(flow_run.ui_url).startswith("None"):  # the temporary server has no UI URL
             tags["prefect.flow_run_url"] = str(flow_run.ui_url)
     return tags
 

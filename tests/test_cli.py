@@ -25,6 +25,24 @@ def test_bad_settings_fail_before_any_work(args, message, tmp_path):
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / ".zhflow").exists()  # nothing started
 
 
+@pytest.mark.parametrize(
+    "make_file, message",
+    [
+        (lambda p: None, "is neither a built-in corpus"),
+        (lambda p: p.write_text("review,label\n好看,positive\n很差,negative\n", encoding="utf-8"), "no column 'text'"),
+        (lambda p: p.write_text("text,label\n好看,positive\n不错,positive\n", encoding="utf-8"), "only one class"),
+    ],
+)
+def test_bad_dataset_fails_before_prefect_or_mlflow_start(make_file, message, tmp_path):
+    path = tmp_path / "data.csv"
+    make_file(path)
+    out = subprocess.run([ZHFLOW, "run", "--preset", "tiny", "--dataset", str(path)], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert out.returncode == 2 and message in out.stderr
+    assert "Traceback" not in out.stderr and "temporary server" not in out.stderr + out.stdout
+    assert not (tmp_path / "mlflow.db").exists()  # no FAILED runs left behind
+
+
 def test_help_lists_the_options():
     out = subprocess.run([ZHFLOW, "run", "--help"], capture_output=True, text=True, timeout=60)
     for option in ("--dataset", "--preset", "--model", "--nproc", "--experiment", "--set", "--json-out"):

@@ -125,6 +125,15 @@ def _clean(raw: RawDataset, pre: PreprocessConfig) -> tuple[list[str], list[str]
     return [cleaned[i] for i in keep], [raw.labels[i] for i in keep], [raw.texts[i] for i in keep], len(cleaned) - len(keep)
 
 
+def check_dataset(data: DataConfig) -> None:
+    """The checks a user's file fails most often, in a second, before any orchestration starts:
+    it exists, decodes, has the columns and labels, and more than one class (test file included)."""
+    for dataset in filter(None, (data.dataset, data.test_dataset)):
+        raw = _read(data, dataset)
+        if dataset == data.dataset and len(set(raw.labels)) < 2:
+            raise DatasetError(f"{raw.source}: only one class ({raw.labels[0]!r}); need at least two")
+
+
 def sort_labels(labels: set[str]) -> list[str]:
     """Integer labels in numeric order (2 before 10), others alphabetically."""
     if all(label.lstrip("-").isdigit() for label in labels):
