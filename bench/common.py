@@ -31,16 +31,6 @@ class Timing:
         return f"{self.median:.2f} s (±{100 * self.spread:.0f}%, n={len(self.seconds)})"
 
 
-def repeat(fn: Callable[[], object], times: int) -> tuple[Timing, object]:
-    """Run ``fn`` ``times`` times; the timings and the last result."""
-    out, result = [], None
-    for _ in range(times):
-        started = time.perf_counter()
-        result = fn()
-        out.append(time.perf_counter() - started)
-    return Timing(out), result
-
-
 def interleaved(fns: dict[str, Callable[[], object]], times: int) -> dict[str, Timing]:
     """Alternatives run in turn (A B C A B C ...), so a noisy neighbour hits them alike."""
     seconds: dict[str, list[float]] = {name: [] for name in fns}

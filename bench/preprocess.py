@@ -5,7 +5,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from bench.common import interleaved, repeat, verdict
+from bench.common import interleaved, verdict
 from training.data.prepare import dedupe
 from training.data.readers import read_dataset
 from training.text.clean import normalize

@@ -82,10 +82,10 @@ def test_prepared_folder_round_trips(tmp_path, small_csv):
 def test_vocab_from_train_only(tmp_path, small_csv):
     prepare_dataset(DataConfig(dataset=str(small_csv)), PreprocessConfig(min_freq=1), tmp_path / "p")
     vocab = set(json.loads((tmp_path / "p" / "vocab.json").read_text(encoding="utf-8")))
-    from training.text.segment import tokenize
+    from training.text.segment import Segmenter
 
     train_tokens = {t for line in (tmp_path / "p" / "train.jsonl").open(encoding="utf-8")
-                    for t in tokenize(json.loads(line)["clean"], "jieba")}
+                    for t in Segmenter("jieba").tokenize(json.loads(line)["clean"])}
     assert vocab - {PAD, UNK} == train_tokens
 
 

@@ -1,7 +1,7 @@
 import pytest
 
 from training.text.clean import EMAIL_TOKEN, URL_TOKEN, normalize
-from training.text.segment import Segmenter, load_stopwords, segment_texts, tokenize
+from training.text.segment import Segmenter, load_stopwords
 
 
 @pytest.mark.parametrize(
@@ -34,7 +34,7 @@ def test_normalize_is_idempotent():
 
 
 def test_jieba_keeps_words_and_placeholders():
-    tokens = tokenize(normalize("这本书非常好看 www.example.com"), "jieba")
+    tokens = Segmenter("jieba").tokenize(normalize("这本书非常好看 www.example.com"))
     assert "好看" in tokens and "非常" in tokens
     assert URL_TOKEN in tokens  # not split into '<', 'url', '>'
     assert "这" not in tokens  # a stop word
@@ -44,21 +44,21 @@ def test_negations_are_not_stop_words():
     stop = load_stopwords()
     for word in ["不", "没", "没有", "很", "太", "非常"]:
         assert word not in stop
-    assert "不" in tokenize("不好看") or "不好" in tokenize("不好看")
+    assert "不" in Segmenter().tokenize("不好看") or "不好" in Segmenter().tokenize("不好看")
 
 
 def test_char_segmenter():
-    assert tokenize("好 看!", "char", "none") == ["好", "看", "!"]
+    assert Segmenter("char", "none").tokenize("好 看!") == ["好", "看", "!"]
 
 
 def test_unknown_segmenter_names_itself():
     with pytest.raises(ValueError, match="segmenter 'bpe'"):
-        tokenize("好看", "bpe")
+        Segmenter("bpe").tokenize("好看")
 
 
 def test_parallel_segmentation_matches_serial():
     texts = [f"第{i}本书非常好看，值得一读，质量太差了" for i in range(2500)]
-    serial = segment_texts(texts, "jieba", "builtin", num_workers=1)
-    parallel = segment_texts(texts, "jieba", "builtin", num_workers=2)
+    serial = Segmenter("jieba", "builtin").segment(texts, num_workers=1)
+    parallel = Segmenter("jieba", "builtin").segment(texts, num_workers=2)
     assert parallel == serial
     assert len(serial) == len(texts)

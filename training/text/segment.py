@@ -150,15 +150,6 @@ def _pool_context(segmenter: Segmenter):
     return mp.get_context("spawn")
 
 
-def tokenize(text: str, segmenter: str = "jieba", stopwords: str = "builtin") -> list[str]:
-    return Segmenter(segmenter, stopwords).tokenize(text)
-
-
-def segment_texts(texts: Sequence[str], segmenter: str = "jieba", stopwords: str = "builtin",
-                  num_workers: int = 1, progress: bool = False) -> list[list[str]]:
-    return Segmenter(segmenter, stopwords).segment(texts, num_workers, progress)
-
-
 def _segment_chunk(args: tuple[Segmenter, Sequence[str]]) -> list[list[str]]:
     segmenter, texts = args
     return [segmenter.tokenize(t) for t in texts]
