@@ -1,4 +1,4 @@
-"""The ``train_pipeline`` flow: preprocess -> train -> prune -> fine-tune -> evaluate -> register.
+"""The ``train_pipeline`` flow: preprocess -> train -> evaluate -> baseline -> prune + fine-tune (rounds) -> evaluate -> register.
 
     zhflow run --preset tiny                          # from the shell
     python -c "from flows.pipeline import train_pipeline; from training.config import tiny; train_pipeline(tiny())"
@@ -10,12 +10,16 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from training.config import PipelineConfig, default
+from tasks.baseline import baseline_model
 from tasks.evaluate import evaluate_model
 from tasks.preprocess import preprocess
-from tasks.prune import prune_model
+from tasks.prune import prune_report, prune_round
 from tasks.register import register_model
-from tasks.tracking import close_pipeline_run, fail_open_runs, open_pipeline_run
-from tasks.train import finetune_model, train_model, with_limits
+from tasks.tracking import close_pipeline_run, fail_open_runs, open_pipeline_run, open_stage_run
+from tasks.train import train_model, with_limits
+
+REPORTED = ("file_size_ratio", "speedup_b1", "speedup_b64", "test_macro_f1_change", "after_params", "after_file_bytes",
+            "after_sparsity_prunable", "after_latency_b64_p50_ms")
 
 
 def _run_name() -> str:
@@ -32,23 +36,32 @@ def train_pipeline(config: PipelineConfig = default(), experiment: str = "zhflow
     prepared = preprocess(config.data, config.preprocess, config.augment, parent)
     trained = with_limits(train_model, config.train)(config, prepared, parent)
     evaluated_trained = evaluate_model(config, trained["best_checkpoint"], prepared, parent, stage="evaluate_trained")
-    pruned = prune_model(config, trained, prepared, parent)
-    finetuned = with_limits(finetune_model, config.train)(config, pruned, prepared, parent)
-    evaluated = evaluate_model(config, finetuned["best_checkpoint"], prepared, parent, stage="evaluate")
+    baseline = baseline_model(config, prepared, parent)
+    prune_parent = open_stage_run(parent, "prune")
+    current, rounds = trained["best_checkpoint"], []
+    if config.prune.amount > 0:
+        for round_no, amount in enumerate(config.prune.round_amounts(), 1):
+            done = with_limits(prune_round, config.train)(config, current, prepared, prune_parent, round_no, amount)
+            rounds.append(done)
+            current = done["checkpoint"]
+    evaluated = evaluate_model(config, current, prepared, parent, stage="evaluate")
+    pruning = prune_report(config, trained, evaluated_trained, rounds, evaluated, prepared, prune_parent)
     model = register_model(config, evaluated, prepared, parent)
-    metrics = evaluated["metrics"] | {f"trained_{k}": v for k, v in evaluated_trained["metrics"].items()}
+    metrics = (evaluated["metrics"] | {f"trained_{k}": v for k, v in evaluated_trained["metrics"].items()}
+               | {f"baseline_{k}": v for k, v in baseline["metrics"].items()}
+               | {f"prune_{k}": pruning["metrics"][k] for k in REPORTED})
     close_pipeline_run(parent, metrics, {"model_version": model["version"], "alias": model["alias"]})
     return {
         "experiment": parent["experiment"],
         "parent_run_id": parent["run_id"],
         "stage_runs": {
             "preprocess": prepared["run_id"], "train": trained["run_id"], "evaluate_trained": evaluated_trained["run_id"],
-            "prune": pruned["run_id"], "finetune": finetuned["run_id"], "evaluate": evaluated["run_id"],
-            "register": model["run_id"],
+            "baseline": baseline["run_id"], "prune": pruning["run_id"], "evaluate": evaluated["run_id"], "register": model["run_id"],
         },
+        "prune_rounds": pruning["rounds"],
         "metrics": metrics,
         "model": {k: model[k] for k in ("name", "version", "uri", "alias")},
         "prepared_data": prepared["path"],
         "preprocess_cached": prepared["cached"],
-        "sparsity": {"before": pruned["sparsity_before"], "after": pruned["sparsity_after"]},
+        "sparsity": {"before": pruning["metrics"]["before_sparsity_prunable"], "after": pruning["metrics"]["after_sparsity_prunable"]},
     }

@@ -108,7 +108,7 @@ def launch_training(job: WorkerJob) -> dict:
     if available_devices()[0] == "cpu":
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     logger.info("launching: %s", " ".join(cmd))
-    artifact = create_progress_artifact(progress=0.0, key=f"{job.stage}-progress", description=f"{job.stage}: epochs done")
+    artifact = create_progress_artifact(progress=0.0, key=f"{job.stage.replace('_', '-')}-progress", description=f"{job.stage}: epochs done")
     tail: collections.deque[str] = collections.deque(maxlen=200)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                             env=env, start_new_session=True)

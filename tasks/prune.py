@@ -1,7 +1,13 @@
-"""Pruning task: global L1 on the trained model, measured before and after."""
+"""Pruning tasks: rounds of prune + DDP fine-tune up to the target amount, then the before/after report.
+
+MLflow: the ``prune`` stage run holds the before/after measurements and the trade-off plot; each round is
+a run nested under it (``prune_round_1`` ...) with the round's sparsity, sizes, the validation macro-F1
+right after pruning and the fine-tune's epochs.
+"""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import mlflow
@@ -11,36 +17,84 @@ from sklearn.metrics import f1_score
 from training.checkpoint import save_checkpoint
 from training.config import PipelineConfig, flatten
 from training.evaluate import load_model, open_split, predict_proba
+from training.measure import measure_checkpoint, plot_pruning_tradeoff
 from training.models import min_input_len
-from training.prune import global_l1_prune, sparsity
-from tasks.tracking import stage_run
+from training.prune import prune
+from tasks.tracking import close_pipeline_run, stage_run
+from tasks.train import launch_worker
+
+SUMMARY_KEYS = ("params", "nonzero_params", "sparsity_prunable", "file_bytes",
+                "latency_b1_p50_ms", "latency_b1_p95_ms", "latency_b64_p50_ms", "latency_b64_p95_ms")
 
 
-def _val_macro_f1(model, prepared: dict, cfg: PipelineConfig) -> float:
-    val = open_split(prepared["path"], "val", cfg.model, cfg.preprocess.max_len)
-    probs = predict_proba(model, val, cfg.evaluate.batch_size, min_input_len(cfg.model))
+def _val_macro_f1(model, cfg, prepared: dict, config: PipelineConfig) -> float:
+    val = open_split(prepared["path"], "val", cfg, config.preprocess.max_len)
+    probs = predict_proba(model, val, config.evaluate.batch_size, min_input_len(cfg))
     return float(f1_score(val.labels, probs.argmax(1), average="macro"))
 
 
-@task(name="prune")
-def prune_model(config: PipelineConfig, trained: dict, prepared: dict, parent: dict) -> dict:
+@task(name="prune-round")
+def prune_round(config: PipelineConfig, checkpoint: str, prepared: dict, prune_parent: dict, round_no: int, amount: float) -> dict:
+    """Prune ``checkpoint`` to the cumulative ``amount``, fine-tune it with the DDP worker, measure the result."""
     p = config.prune
-    with stage_run(parent, "prune") as run:
-        mlflow.log_params(flatten(p, "prune."))
-        model, _, state = load_model(trained["best_checkpoint"])
-        before = sparsity(model, p.include_embedding)
-        val_before = _val_macro_f1(model, prepared, config)
-        global_l1_prune(model, p.amount, p.include_embedding)
-        after = sparsity(model, p.include_embedding)
-        val_after = _val_macro_f1(model, prepared, config)
-        mlflow.log_metrics({f"before_{k}": v for k, v in before.items() if not k.startswith("sparsity.")}
-                           | {f"after_{k}": v for k, v in after.items()}
-                           | {"val_macro_f1_before_prune": val_before, "val_macro_f1_after_prune": val_after})
-        out = Path(parent["work_dir"]) / "prune" / "pruned.pt"
-        save_checkpoint(out, {**state, "model": model.state_dict(), "metrics": {"val_macro_f1": val_after}})
+    stage = f"prune_round_{round_no}"
+    out = Path(prune_parent["work_dir"]) / stage
+    with stage_run(prune_parent, stage) as run:
+        mlflow.log_params({"prune.method": p.method, "prune.round": round_no, "prune.round_amount": round(amount, 6)})
+        model, cfg, state = load_model(checkpoint)
+        val_before = _val_macro_f1(model, cfg, prepared, config)
+        model, new_cfg = prune(model, cfg, p.method, amount, p.include_embedding, reference=config.model)
+        val_pruned = _val_macro_f1(model, new_cfg, prepared, config)
+        pruned = out / "pruned.pt"
+        save_checkpoint(pruned, {**state, "model": model.state_dict(), "model_config": new_cfg.model_dump(),
+                                 "metrics": {"val_macro_f1": val_pruned}})
+        mlflow.log_metrics({"val_macro_f1_before_prune": val_before, "val_macro_f1_after_prune": val_pruned})
+        result = {"checkpoint": str(pruned), "best_val_macro_f1": val_pruned, "finetuned": False}
+        if p.finetune_epochs:
+            train_cfg = config.train.model_copy(update={"epochs": p.finetune_epochs, "lr": p.finetune_lr,
+                                                        "patience": p.finetune_epochs})
+            tuned = launch_worker(stage, config, prepared, run.info.run_id, out / "finetune", train=train_cfg, model=new_cfg,
+                                  init_checkpoint=str(pruned), keep_sparsity=p.method != "structured")
+            result = {"checkpoint": tuned["best_checkpoint"], "best_val_macro_f1": tuned["best_val_macro_f1"], "finetuned": True}
+        measured = measure_checkpoint(result["checkpoint"], prepared["path"], config.preprocess.max_len, p.latency_threads)
+        mlflow.log_metrics(measured | {"val_macro_f1": result["best_val_macro_f1"]})
         get_run_logger().info(
-            "pruned %.0f%% of prunable weights (global L1): sparsity %.3f -> %.3f, val macro-F1 %.4f -> %.4f before fine-tuning",
-            100 * p.amount, before["sparsity_prunable"], after["sparsity_prunable"], val_before, val_after,
+            "round %d: %s to %.0f%%: sparsity %.3f, %d parameters, %.0f kB, val macro-F1 %.4f -> %.4f pruned -> %.4f fine-tuned",
+            round_no, p.method, 100 * amount, measured["sparsity_prunable"], measured["params"], measured["file_bytes"] / 1e3,
+            val_before, val_pruned, result["best_val_macro_f1"],
         )
-        return {"checkpoint": str(out), "run_id": run.info.run_id,
-                "sparsity_before": before["sparsity_prunable"], "sparsity_after": after["sparsity_prunable"]}
+        return {**result, "round": round_no, "amount": amount, "run_id": run.info.run_id, "val_macro_f1_after_prune": val_pruned,
+                "model_config": new_cfg.model_dump(), "measured": {k: measured[k] for k in SUMMARY_KEYS}}
+
+
+@task(name="prune-report")
+def prune_report(config: PipelineConfig, trained: dict, evaluated_trained: dict, rounds: list[dict], evaluated: dict,
+                 prepared: dict, prune_parent: dict) -> dict:
+    """Before/after measurements of the final model against the trained one, the trade-off plot; closes the prune run."""
+    p = config.prune
+    # both measured here, back to back, so that the latency ratio holds on a busy machine
+    before, after = ({k: m[k] for k in SUMMARY_KEYS} for m in (
+        measure_checkpoint(ckpt, prepared["path"], config.preprocess.max_len, p.latency_threads)
+        for ckpt in (trained["best_checkpoint"], evaluated["checkpoint"])))
+    f1_before, f1_after = evaluated_trained["metrics"]["test_macro_f1"], evaluated["metrics"]["test_macro_f1"]
+    metrics = ({f"before_{k}": v for k, v in before.items()} | {f"after_{k}": v for k, v in after.items()} | {
+        "test_macro_f1_before": f1_before, "test_macro_f1_after": f1_after, "test_macro_f1_change": f1_after - f1_before,
+        "file_size_ratio": before["file_bytes"] / after["file_bytes"],
+        "params_ratio": before["params"] / after["params"],
+        "speedup_b1": before["latency_b1_p50_ms"] / after["latency_b1_p50_ms"],
+        "speedup_b64": before["latency_b64_p50_ms"] / after["latency_b64_p50_ms"],
+    })
+    client = mlflow.MlflowClient()
+    for key, value in flatten(p, "prune.").items():
+        client.log_param(prune_parent["run_id"], key, value)
+    if rounds:
+        points = [(0.0, trained["best_val_macro_f1"], before["latency_b64_p50_ms"], before["file_bytes"])] + [
+            (r["amount"], r["best_val_macro_f1"], r["measured"]["latency_b64_p50_ms"], r["measured"]["file_bytes"]) for r in rounds]
+        with tempfile.TemporaryDirectory() as tmp:
+            png = plot_pruning_tradeoff(points, Path(tmp) / "pruning_tradeoff.png", f"{p.method} pruning, {len(rounds)} round(s)")
+            client.log_artifact(prune_parent["run_id"], str(png))
+    close_pipeline_run.fn(prune_parent, metrics, {"method": p.method, "skipped": str(not rounds).lower()})
+    get_run_logger().info(
+        "%s pruning to %.0f%%: test macro-F1 %.4f -> %.4f, file %.2fx smaller, batch-64 latency %.2fx faster",
+        p.method, 100 * p.amount, f1_before, f1_after, metrics["file_size_ratio"], metrics["speedup_b64"])
+    return {"run_id": prune_parent["run_id"], "metrics": metrics, "rounds": [r["run_id"] for r in rounds]}

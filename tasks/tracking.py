@@ -71,6 +71,32 @@ def open_pipeline_run(config: PipelineConfig, experiment: str, kind: str = "trai
     return {"run_id": run.info.run_id, "experiment_id": experiment_id, "experiment": experiment, "work_dir": str(work_dir)}
 
 
+def _earlier_stage_run(parent: dict, stage: str):
+    earlier = MlflowClient().search_runs(
+        [parent["experiment_id"]],
+        filter_string=f"tags.mlflow.parentRunId = '{parent['run_id']}' and tags.`{STAGE_TAG}` = '{stage}'",
+        max_results=1,
+    )
+    return earlier[0] if earlier else None
+
+
+@task(name="open-stage-run")
+def open_stage_run(parent: dict, stage: str) -> dict:
+    """A nested run that stays open across tasks (the prune stage, parent of its rounds); shaped like the parent
+    dict, so ``stage_run(open_stage_run(parent, "prune"), "prune_round_1")`` nests one level deeper."""
+    client = MlflowClient()
+    earlier = _earlier_stage_run(parent, stage)
+    if earlier is not None:
+        run_id = earlier.info.run_id
+        client.update_run(run_id, status="RUNNING")
+    else:
+        run_id = client.create_run(parent["experiment_id"], run_name=stage, tags={
+            STAGE_TAG: stage, "mlflow.parentRunId": parent["run_id"], **_prefect_tags()}).info.run_id
+    work_dir = Path(parent["work_dir"]) / stage
+    work_dir.mkdir(parents=True, exist_ok=True)
+    return {**parent, "run_id": run_id, "work_dir": str(work_dir), "parent_run_id": parent["run_id"]}
+
+
 @contextmanager
 def stage_run(parent: dict, stage: str) -> Iterator[mlflow.ActiveRun]:
     """A nested run for one stage; FAILED if the body raises.
@@ -78,14 +104,10 @@ def stage_run(parent: dict, stage: str) -> Iterator[mlflow.ActiveRun]:
     A retried task finds its stage's earlier run under the same parent and continues it (with the
     stage's folder, so training resumes from its last checkpoint) instead of starting a second one.
     """
-    earlier = MlflowClient().search_runs(
-        [parent["experiment_id"]],
-        filter_string=f"tags.mlflow.parentRunId = '{parent['run_id']}' and tags.`{STAGE_TAG}` = '{stage}'",
-        max_results=1,
-    )
-    if earlier:
-        MlflowClient().set_tag(earlier[0].info.run_id, "zhflow.attempts", str(int(earlier[0].data.tags.get("zhflow.attempts", "1")) + 1))
-        with mlflow.start_run(run_id=earlier[0].info.run_id, nested=True, parent_run_id=parent["run_id"]) as run:
+    earlier = _earlier_stage_run(parent, stage)
+    if earlier is not None:
+        MlflowClient().set_tag(earlier.info.run_id, "zhflow.attempts", str(int(earlier.data.tags.get("zhflow.attempts", "1")) + 1))
+        with mlflow.start_run(run_id=earlier.info.run_id, nested=True, parent_run_id=parent["run_id"]) as run:
             yield run
         return
     with mlflow.start_run(

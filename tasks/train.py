@@ -1,4 +1,4 @@
-"""Training and fine-tuning tasks: both run the same DDP worker through torchrun."""
+"""The training task, and the launcher that fine-tuning (tasks/prune.py) shares: the DDP worker under torchrun."""
 
 from __future__ import annotations
 
@@ -12,20 +12,20 @@ from tasks.launch import launch_training, resolve_nproc
 from tasks.tracking import stage_run
 
 
-def _run_worker(stage: str, config: PipelineConfig, prepared: dict, parent: dict, **job_fields) -> dict:
-    with stage_run(parent, stage) as run:
-        train_cfg = job_fields.pop("train", config.train)
-        nproc = resolve_nproc(train_cfg.nproc)
-        job = WorkerJob(stage=stage, prepared_dir=prepared["path"], out_dir=str(Path(parent["work_dir"]) / stage),
-                        model=config.model, train=train_cfg, max_len=config.preprocess.max_len,
-                        mlflow_run_id=run.info.run_id, **job_fields)
-        mlflow.log_params(flatten(config.model, "model.") | flatten(train_cfg, "train.") | {"nproc_resolved": nproc})
-        result = launch_training(job)
-        mlflow.log_artifact(result["best_checkpoint"], "checkpoint")
-        mlflow.log_artifact(result["best_checkpoint"] + ".json", "checkpoint")
-        mlflow.set_tags({"restarts": str(result["restarts"]), "stopped_early": str(result["stopped_early"]).lower(),
-                         "torchrun": "nnodes={} nproc_per_node={}".format(train_cfg.nnodes, nproc)})
-        return {**result, "run_id": run.info.run_id}
+def launch_worker(stage: str, config: PipelineConfig, prepared: dict, run_id: str, out_dir: str | Path, **job_fields) -> dict:
+    """Run the DDP worker for ``stage`` under torchrun; rank 0 logs into MLflow run ``run_id`` (the active one)."""
+    train_cfg = job_fields.pop("train", config.train)
+    model_cfg = job_fields.pop("model", config.model)
+    nproc = resolve_nproc(train_cfg.nproc)
+    job = WorkerJob(stage=stage, prepared_dir=prepared["path"], out_dir=str(out_dir), model=model_cfg, train=train_cfg,
+                    max_len=config.preprocess.max_len, mlflow_run_id=run_id, **job_fields)
+    mlflow.log_params(flatten(model_cfg, "model.") | flatten(train_cfg, "train.") | {"nproc_resolved": nproc})
+    result = launch_training(job)
+    mlflow.log_artifact(result["best_checkpoint"], "checkpoint")
+    mlflow.log_artifact(result["best_checkpoint"] + ".json", "checkpoint")
+    mlflow.set_tags({"restarts": str(result["restarts"]), "stopped_early": str(result["stopped_early"]).lower(),
+                     "torchrun": "nnodes={} nproc_per_node={}".format(train_cfg.nnodes, nproc)})
+    return {**result, "run_id": run_id}
 
 
 def with_limits(stage_task, train: TrainConfig):
@@ -38,17 +38,5 @@ def with_limits(stage_task, train: TrainConfig):
 
 @task(name="train")
 def train_model(config: PipelineConfig, prepared: dict, parent: dict) -> dict:
-    return _run_worker("train", config, prepared, parent)
-
-
-@task(name="finetune")
-def finetune_model(config: PipelineConfig, pruned: dict, prepared: dict, parent: dict) -> dict:
-    """A short DDP fine-tune of the pruned weights; pruned weights stay zero."""
-    p = config.prune
-    if p.finetune_epochs == 0:
-        with stage_run(parent, "finetune") as run:
-            mlflow.set_tag("skipped", "prune.finetune_epochs=0")
-            return {"best_checkpoint": pruned["checkpoint"], "run_id": run.info.run_id, "skipped": True}
-    train_cfg = config.train.model_copy(update={"epochs": p.finetune_epochs, "lr": p.finetune_lr, "patience": p.finetune_epochs})
-    return _run_worker("finetune", config, prepared, parent, train=train_cfg,
-                       init_checkpoint=pruned["checkpoint"], keep_sparsity=True)
+    with stage_run(parent, "train") as run:
+        return launch_worker("train", config, prepared, run.info.run_id, Path(parent["work_dir"]) / "train")

@@ -110,12 +110,20 @@ class ModelConfig(_Section):
     input: Literal["word", "char", "both"] = Field(
         "word", title="Input", description="Word tokens, characters, or both (two embeddings, features concatenated)."
     )
-    embed_dim: int = Field(128, ge=8, le=2048, title="Embedding size", description="Token embedding width.")
+    embed_dim: int = Field(128, ge=1, le=2048, title="Embedding size", description="Token embedding width.")
     num_filters: int = Field(100, ge=1, le=4096, title="Filters per width", description="TextCNN convolution filters per kernel width.")
     kernel_sizes: list[int] = Field([3, 4, 5], min_length=1, title="Kernel widths", description="TextCNN convolution widths, in tokens.")
-    hidden_size: int = Field(128, ge=4, le=4096, title="Hidden size", description="BiLSTM hidden units per direction; transformer feed-forward width is 4x embed_dim.")
+    hidden_size: int = Field(128, ge=1, le=4096, title="Hidden size", description="BiLSTM hidden units per direction.")
     num_layers: int = Field(1, ge=1, le=24, title="Layers", description="BiLSTM or transformer layers.")
-    num_heads: int = Field(4, ge=1, le=64, title="Attention heads", description="Transformer attention heads (must divide embed_dim).")
+    num_heads: int = Field(4, ge=1, le=64, title="Attention heads", description="Transformer attention heads (must divide embed_dim unless head_dim is set).")
+    head_dim: Optional[int] = Field(
+        None, ge=1, le=1024, title="Head width",
+        description="Transformer width of each attention head. Empty: embed_dim / num_heads (structured pruning sets it).",
+    )
+    ffn_dim: Optional[int] = Field(
+        None, ge=1, le=65536, title="Feed-forward width",
+        description="Transformer feed-forward units per layer. Empty: 4 x embed_dim.",
+    )
     positions: Literal["learned", "sinusoidal"] = Field(
         "learned", title="Positions", description="Transformer position encoding."
     )
@@ -131,7 +139,7 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _heads(self) -> "ModelConfig":
-        if self.name == "transformer" and self.embed_dim % self.num_heads:
+        if self.name == "transformer" and self.head_dim is None and self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim ({self.embed_dim}) must be a multiple of num_heads ({self.num_heads})")
         return self
 
@@ -186,17 +194,52 @@ class TrainConfig(_Section):
         return v
 
 
+PRUNE_METHODS = ("global_unstructured", "l1_unstructured", "structured")
+
+
 class PruneConfig(_Section):
-    method: Literal["global_l1"] = Field(
-        "global_l1", title="Pruning method", description="Global L1 unstructured pruning over the prunable weights."
+    method: Literal["global_unstructured", "l1_unstructured", "structured"] = Field(
+        "global_unstructured", title="Pruning method",
+        description="global_unstructured: the smallest weights across all layers set to zero (stored compressed); "
+                    "l1_unstructured: the same share in every layer; structured: whole filters, LSTM units, feed-forward "
+                    "units, attention heads and embedding dimensions removed, giving a smaller, faster model.",
     )
-    amount: float = Field(0.5, ge=0, lt=1, title="Pruning amount", description="Share of prunable weights set to zero (0 turns pruning off).")
+    amount: float = Field(
+        0.5, ge=0, lt=1, title="Pruning amount",
+        description="Share of the prunable weights (unstructured) or units (structured) removed, after the last round. 0 turns pruning off.",
+    )
+    rounds: int = Field(
+        1, ge=1, le=20, title="Rounds",
+        description="Iterative pruning: this many prune + fine-tune rounds up to the amount (each a nested MLflow run).",
+    )
+    schedule: Literal["linear", "cubic"] = Field(
+        "cubic", title="Round schedule",
+        description="How the amount grows over the rounds: evenly (linear), or fast first and gently at the end (cubic, Zhu & Gupta 2017).",
+    )
     include_embedding: bool = Field(
-        False, title="Prune embeddings",
-        description="Also prune the embedding table (its weights are on another scale than the layers').",
+        True, title="Prune embeddings",
+        description="Also prune the embedding tables (unstructured: their weights; structured: embedding dimensions). "
+                    "They hold most of the parameters of the default model.",
     )
-    finetune_epochs: int = Field(1, ge=0, le=100, title="Fine-tune epochs", description="Epochs of fine-tuning after pruning (masks kept).")
+    finetune_epochs: int = Field(1, ge=0, le=100, title="Fine-tune epochs", description="Epochs of fine-tuning after each pruning round (pruned weights stay zero).")
     finetune_lr: float = Field(3e-4, gt=0, le=10, title="Fine-tune learning rate", description="Learning rate of the fine-tune.")
+    latency_threads: int = Field(
+        1, ge=1, le=256, title="Latency threads", description="CPU threads used when measuring inference latency (fixed, so runs compare)."
+    )
+
+    @field_validator("finetune_lr")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    def round_amounts(self) -> list[float]:
+        """Cumulative amount after each round: ``[0.35, 0.49, 0.5]`` for amount 0.5 in 3 cubic rounds."""
+        k = self.rounds
+        if self.schedule == "linear":
+            return [self.amount * (i + 1) / k for i in range(k)]
+        return [self.amount * (1 - (1 - (i + 1) / k) ** 3) for i in range(k)]
 
 
 class EvaluateConfig(_Section):
@@ -358,7 +401,7 @@ def flatten(config: BaseModel, prefix: str = "") -> dict[str, Any]:
 class WorkerJob(_Section):
     """What the torchrun worker is told to do (written as JSON by the launcher)."""
 
-    stage: Literal["train", "finetune"] = Field(description="Which stage this run is (names the progress lines).")
+    stage: str = Field(description="Which stage this run is (names the progress lines and the output folder).")
     prepared_dir: str = Field(description="Prepared dataset folder (manifest.json, *.npy).")
     out_dir: str = Field(description="Where checkpoints and result.json go.")
     model: ModelConfig

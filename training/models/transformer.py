@@ -1,18 +1,22 @@
-"""A small Transformer encoder: learned or sinusoidal positions, padding mask, masked mean pooling."""
+"""A small pre-norm Transformer encoder: learned or sinusoidal positions, padding mask, masked mean pooling.
+
+Written out (rather than ``nn.TransformerEncoderLayer``) so that each layer can have its own number of
+attention heads and feed-forward units: structured pruning removes whole heads and units and the
+smaller layers load as they are.
+"""
 
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from training.config import ModelConfig
 from training.models.textcnn import make_embedding
 
 MAX_POSITIONS = 8192
-# the fused inference path reads attention weights directly and would skip pruning masks during fine-tuning
-torch.backends.mha.set_fastpath_enabled(False)
 
 
 def sinusoidal(length: int, dim: int) -> torch.Tensor:
@@ -22,6 +26,30 @@ def sinusoidal(length: int, dim: int) -> torch.Tensor:
     table[:, 0::2] = torch.sin(position * freq)
     table[:, 1::2] = torch.cos(position * freq[: dim // 2])
     return table
+
+
+class EncoderLayer(nn.Module):
+    """x + attention(norm(x)), then x + feed-forward(norm(x)); 0 heads or 0 units drop that block."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, ffn: int, dropout: float):
+        super().__init__()
+        self.heads, self.head_dim, self.dropout = heads, head_dim, dropout
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * heads * head_dim)  # rows: all q heads, then all k heads, then all v heads
+        self.out = nn.Linear(heads * head_dim, dim)
+        self.ff1, self.ff2 = nn.Linear(dim, ffn), nn.Linear(ffn, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        if self.heads:
+            q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attend[:, None, None, :],
+                                               dropout_p=self.dropout if self.training else 0.0)
+            x = x + self.drop(self.out(o.transpose(1, 2).reshape(b, n, self.heads * self.head_dim)))
+        if self.ff1.out_features:
+            x = x + self.drop(self.ff2(self.drop(torch.relu(self.ff1(self.norm2(x))))))
+        return x
 
 
 class TransformerEncoder(nn.Module):
@@ -34,9 +62,10 @@ class TransformerEncoder(nn.Module):
         else:
             self.register_buffer("table", sinusoidal(MAX_POSITIONS, cfg.embed_dim), persistent=False)
             self.positions = None
-        layer = nn.TransformerEncoderLayer(cfg.embed_dim, cfg.num_heads, 4 * cfg.embed_dim, dropout=min(cfg.dropout, 0.1),
-                                           batch_first=True, norm_first=True)
-        self.encoder = nn.TransformerEncoder(layer, cfg.num_layers, enable_nested_tensor=False)
+        head_dim = cfg.head_dim or cfg.embed_dim // cfg.num_heads
+        ffn = cfg.ffn_dim or 4 * cfg.embed_dim
+        self.layers = nn.ModuleList(
+            EncoderLayer(cfg.embed_dim, cfg.num_heads, head_dim, ffn, min(cfg.dropout, 0.1)) for _ in range(cfg.num_layers))
         self.norm = nn.LayerNorm(cfg.embed_dim)
         self.out_dim = cfg.embed_dim
 
@@ -48,6 +77,8 @@ class TransformerEncoder(nn.Module):
         # an all-padding row would make attention NaN: let it attend to its first position
         attend = mask.clone()
         attend[:, 0] |= ~mask.any(1)
-        x = self.norm(self.encoder(x, src_key_padding_mask=~attend))
+        for layer in self.layers:
+            x = layer(x, attend)
+        x = self.norm(x)
         weights = mask.unsqueeze(-1).float()
         return (x * weights).sum(1) / weights.sum(1).clamp(min=1)
