@@ -14,13 +14,14 @@ from training.config import apply_overrides, tiny
 
 pytestmark = pytest.mark.slow
 
-STAGES = {"preprocess", "train", "evaluate_trained", "prune", "finetune", "evaluate", "register"}
+STAGES = {"preprocess", "train", "evaluate_trained", "baseline", "prune", "evaluate", "register"}
 TEXTS = ["这本书非常好看，值得一读", "质量太差了，很失望"]
 
 
 def test_train_pipeline_end_to_end(prefect_server, mlflow_store, tmp_path):
     summary_file = tmp_path / "summary.json"
-    assert zhflow(["run", "--preset", "tiny", "--nproc", "2", "--experiment", "e2e", "--json-out", str(summary_file)]) == 0
+    assert zhflow(["run", "--preset", "tiny", "--nproc", "2", "--experiment", "e2e", "--json-out", str(summary_file),
+                   "--set", "prune.rounds=2", "--set", "prune.schedule=linear"]) == 0
     summary = json.loads(summary_file.read_text())
     client = MlflowClient()
 
@@ -42,6 +43,25 @@ def test_train_pipeline_end_to_end(prefect_server, mlflow_store, tmp_path):
     for key in ("test_accuracy", "test_macro_f1", "test_macro_precision", "test_macro_recall"):
         assert 0 <= m[key] <= 1
     assert m["sparsity_prunable"] == pytest.approx(0.5, abs=0.01)
+    assert 0 <= m["baseline_test_macro_f1"] <= 1 and 0 <= m["trained_test_macro_f1"] <= 1
+
+    # pruning: two rounds (25%, then 50%), each nested under the prune run with its fine-tune epochs
+    prune_run = client.get_run(summary["stage_runs"]["prune"])
+    pm = prune_run.data.metrics
+    assert pm["before_sparsity_prunable"] < 0.05 and pm["after_sparsity_prunable"] == pytest.approx(0.5, abs=0.01)
+    for key in ("latency_b1_p50_ms", "latency_b1_p95_ms", "latency_b64_p50_ms", "latency_b64_p95_ms", "file_bytes", "params"):
+        assert pm[f"before_{key}"] > 0 and pm[f"after_{key}"] > 0
+    assert pm["after_latency_b64_p95_ms"] >= pm["after_latency_b64_p50_ms"]
+    assert pm["file_size_ratio"] > 1.3  # half the weights zero, stored as a bitmap
+    assert pm["test_macro_f1_after"] == pytest.approx(m["test_macro_f1"])
+    assert "pruning_tradeoff.png" in {a.path for a in client.list_artifacts(prune_run.info.run_id)}
+    assert len(summary["prune_rounds"]) == 2
+    for i, run_id in enumerate(summary["prune_rounds"], 1):
+        r = client.get_run(run_id)
+        assert r.data.tags["mlflow.parentRunId"] == prune_run.info.run_id and r.data.tags["zhflow.stage"] == f"prune_round_{i}"
+        assert r.data.params["prune.round_amount"] == str(0.25 * i)
+        assert r.data.metrics["sparsity_prunable"] == pytest.approx(0.25 * i, abs=0.01)
+        assert client.get_metric_history(run_id, "val_macro_f1")  # the fine-tune's epochs
     train_run = summary["stage_runs"]["train"]
     epochs = [h.step for h in client.get_metric_history(train_run, "val_macro_f1")]
     assert epochs == list(range(1, len(epochs) + 1)) and epochs
@@ -49,7 +69,10 @@ def test_train_pipeline_end_to_end(prefect_server, mlflow_store, tmp_path):
     evaluate = client.get_run(summary["stage_runs"]["evaluate"])
     assert evaluate.data.metrics["test_macro_f1"] == pytest.approx(m["test_macro_f1"])
     artifacts = {a.path for a in client.list_artifacts(evaluate.info.run_id)}
-    assert {"confusion_matrix.png", "per_class_report.json"} <= artifacts
+    assert {"confusion_matrix.png", "per_class_report.json", "roc_pr_curves.png", "errors.csv", "errors.html"} <= artifacts
+    assert evaluate.data.metrics["test_roc_auc"] >= 0 and evaluate.data.metrics["test_pr_auc"] >= 0
+    baseline = client.get_run(summary["stage_runs"]["baseline"])
+    assert baseline.data.metrics["test_macro_f1"] == pytest.approx(m["baseline_test_macro_f1"])
 
     # the prepared dataset is an input of the preprocess run, with its digest
     prep = client.get_run(summary["stage_runs"]["preprocess"])
@@ -66,9 +89,14 @@ def test_train_pipeline_end_to_end(prefect_server, mlflow_store, tmp_path):
     assert len(predicted) == 2 and set(predicted["label"]) <= {"negative", "positive"}
     assert (predicted[["prob_negative", "prob_positive"]].sum(axis=1) - 1).abs().max() < 1e-5
 
-    # a second run with the same data reuses the prepared folder; the alias moves only on a win
-    cfg = apply_overrides(tiny(), ["train.nproc=1", "train.epochs=1", "prune.finetune_epochs=0"])
+    # a second run with the same data reuses the prepared folder; the alias moves only on a win.
+    # Structured pruning: a smaller model goes through the same registration path
+    cfg = apply_overrides(tiny(), ["train.nproc=1", "train.epochs=1", "prune.finetune_epochs=0", "prune.method=structured"])
     second = train_pipeline(config=cfg, experiment="e2e")
+    small = mlflow.pyfunc.load_model(f"models:/{model['name']}/2")
+    assert list(small.predict(TEXTS).columns) == ["label", "prob_negative", "prob_positive"]
+    pm2 = client.get_run(second["stage_runs"]["prune"]).data.metrics
+    assert pm2["after_params"] < 0.6 * pm2["before_params"] and pm2["after_sparsity_prunable"] < 0.05
     assert second["preprocess_cached"] is True and second["prepared_data"] == summary["prepared_data"]
     assert client.get_run(second["stage_runs"]["preprocess"]).data.tags["cache_hit"] == "true"
     champion = client.get_model_version_by_alias(model["name"], "champion")

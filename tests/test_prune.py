@@ -149,3 +149,27 @@ def test_sparse_checkpoint_is_smaller_and_loads_back_dense(tmp_path):
     assert state["epoch"] == 1
     for key, value in model.state_dict().items():
         assert torch.equal(state["model"][key], value)
+
+
+def test_measurements_and_tradeoff_plot(tmp_path, small_csv):
+    from training.config import apply_overrides, tiny
+    from training.data.prepare import load_manifest, prepare_dataset
+    from training.measure import measure_checkpoint, plot_pruning_tradeoff
+
+    cfg = apply_overrides(tiny(), [f"data.dataset={small_csv}", "data.max_samples=null"])
+    prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "prepared")
+    manifest = load_manifest(tmp_path / "prepared")
+    model = build_model(cfg.model, {"word": manifest["vocab_size"], "char": manifest["char_vocab_size"]}, 2)
+    state = {"model_config": cfg.model.model_dump(), "vocab_sizes": {"word": manifest["vocab_size"], "char": manifest["char_vocab_size"]},
+             "num_classes": 2}
+    save_checkpoint(tmp_path / "dense.pt", {**state, "model": model.state_dict()})
+    small, small_cfg = prune(model, cfg.model, "structured", 0.5)
+    save_checkpoint(tmp_path / "small.pt", {**state, "model": small.state_dict(), "model_config": small_cfg.model_dump()})
+    dense, pruned = (measure_checkpoint(str(tmp_path / f"{n}.pt"), str(tmp_path / "prepared"), cfg.preprocess.max_len)
+                     for n in ("dense", "small"))
+    for m in (dense, pruned):
+        assert 0 < m["latency_b1_p50_ms"] <= m["latency_b1_p95_ms"] and 0 < m["latency_b64_p50_ms"] <= m["latency_b64_p95_ms"]
+    assert dense["file_bytes"] == os.path.getsize(tmp_path / "dense.pt") > pruned["file_bytes"]
+    assert pruned["params"] < 0.6 * dense["params"]
+    png = plot_pruning_tradeoff([(0.0, 0.8, 5.0, 9e5), (0.5, 0.79, 2.0, 4e5)], tmp_path / "t.png", "structured")
+    assert png.read_bytes()[:4] == b"\x89PNG"

@@ -4,8 +4,9 @@
     model, cfg = prune(model, cfg, "global_unstructured", 0.8)  # 80% of the weights zero; stored compressed
     model, cfg = prune(model, cfg, "structured", 0.5)           # half the filters / units / heads removed
 
-- ``global_unstructured``: the smallest-magnitude weights across all prunable layers set to zero
-  (``torch.nn.utils.prune.global_unstructured``), masks folded in. The checkpoint stores the zeros as a
+- ``global_unstructured``: the smallest weights across all prunable layers set to zero
+  (``torch.nn.utils.prune.global_unstructured``; magnitudes relative to each layer's RMS, so that one layer's
+  scale does not decide), masks folded in; layers end at different sparsities. The checkpoint stores the zeros as a
   bitmap (training.checkpoint), so the file shrinks with sparsity; the model in memory stays dense.
 - ``l1_unstructured``: the same share in every layer (``torch.nn.utils.prune.l1_unstructured``).
 - ``structured``: whole units ranked by L2 norm and physically removed, giving a model of the same family
@@ -74,7 +75,12 @@ def unstructured_prune(model: nn.Module, amount: float, include_embedding: bool 
         for module, name in targets:
             torch_prune.l1_unstructured(module, name, amount=amount)
     else:
-        torch_prune.global_unstructured(targets, pruning_method=torch_prune.L1Unstructured, amount=amount)
+        # one threshold over all layers, on magnitudes relative to each layer's RMS: raw magnitudes would let the layer
+        # on the largest scale (the embeddings) keep everything and zero whole convolutions and the classifier
+        scores = {(m, n): getattr(m, n).detach().abs() / getattr(m, n).detach().pow(2).mean().sqrt().clamp(min=1e-12)
+                  for m, n in targets}
+        torch_prune.global_unstructured(targets, pruning_method=torch_prune.L1Unstructured, amount=amount,
+                                        importance_scores=scores)
     for module, name in targets:
         torch_prune.remove(module, name)  # fold the mask in: plain tensors, no hooks left
     return model
