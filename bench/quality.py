@@ -17,14 +17,14 @@ from sklearn.model_selection import train_test_split
 from sklearn.pipeline import make_pipeline
 from sklearn.svm import LinearSVC
 
+from training.baseline import tfidf_svm
 from training.config import default
 from training.data.prepare import prepare_dataset
 from training.data.readers import read_dataset
 from training.text.segment import Segmenter
 
 BASELINES = {
-    "TF-IDF char 1-3 grams + linear SVM": lambda: make_pipeline(
-        TfidfVectorizer(analyzer="char", ngram_range=(1, 3), sublinear_tf=True, min_df=2), LinearSVC(C=0.5)),
+    "TF-IDF char 1-3 grams + linear SVM": tfidf_svm,  # the pipeline's own baseline stage
     "TF-IDF word 1-2 grams + linear SVM": lambda: make_pipeline(
         TfidfVectorizer(analyzer=str.split, sublinear_tf=True, min_df=1), LinearSVC(C=0.5)),
     "TF-IDF char 1-3 grams + logistic regression": lambda: make_pipeline(

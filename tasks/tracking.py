@@ -41,7 +41,7 @@ def git_commit() -> str | None:
         return None
 
 
-def _prefect_tags() -> dict[str, str]:
+def prefect_tags() -> dict[str, str]:
     tags = {}
     if flow_run.id:
         tags[FLOW_RUN_TAG] = str(flow_run.id)
@@ -58,7 +58,7 @@ def open_pipeline_run(config: PipelineConfig, experiment: str, kind: str = "trai
     client = MlflowClient()
     exp = client.get_experiment_by_name(experiment)
     experiment_id = exp.experiment_id if exp else client.create_experiment(experiment)
-    tags = {PARENT_KIND_TAG: kind, "zhflow.version": training.__version__, **_prefect_tags()}
+    tags = {PARENT_KIND_TAG: kind, "zhflow.version": training.__version__, **prefect_tags()}
     if commit := git_commit():
         tags["mlflow.source.git.commit"] = commit
     run = client.create_run(experiment_id, run_name=str(flow_run.name or kind), tags=tags)
@@ -91,7 +91,7 @@ def open_stage_run(parent: dict, stage: str) -> dict:
         client.update_run(run_id, status="RUNNING")
     else:
         run_id = client.create_run(parent["experiment_id"], run_name=stage, tags={
-            STAGE_TAG: stage, "mlflow.parentRunId": parent["run_id"], **_prefect_tags()}).info.run_id
+            STAGE_TAG: stage, "mlflow.parentRunId": parent["run_id"], **prefect_tags()}).info.run_id
     work_dir = Path(parent["work_dir"]) / stage
     work_dir.mkdir(parents=True, exist_ok=True)
     return {**parent, "run_id": run_id, "work_dir": str(work_dir), "parent_run_id": parent["run_id"]}
@@ -112,7 +112,7 @@ def stage_run(parent: dict, stage: str) -> Iterator[mlflow.ActiveRun]:
         return
     with mlflow.start_run(
         experiment_id=parent["experiment_id"], run_name=stage, parent_run_id=parent["run_id"], nested=True,
-        tags={STAGE_TAG: stage, **_prefect_tags()},
+        tags={STAGE_TAG: stage, **prefect_tags()},
     ) as run:
         yield run
 
