@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import mlflow
 import torch
@@ -24,6 +25,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from training.config import TrainConfig, WorkerJob
+from training.worker import EPOCH_MARKER
 
 _PROGRESS = re.compile(r"epoch (\d+)/(\d+) \[\s*(\d+)%\]")
 _ERROR_LINE = re.compile(r"^\s*(\w+\.)*\w*(Error|Exception|Interrupt)\b.*")
@@ -90,8 +92,13 @@ def _stop(proc: subprocess.Popen) -> None:
             return
 
 
-def launch_training(job: WorkerJob) -> dict:
-    """Run the worker under torchrun and return its result.json; a failure raises with the worker's error."""
+def launch_training(job: WorkerJob, on_epoch: Callable[[int, dict], bool] | None = None, cpus: int | None = None) -> dict:
+    """Run the worker under torchrun and return its result.json; a failure raises with the worker's error.
+
+    ``on_epoch(epoch, metrics)`` sees each epoch's validation metrics as they come; when it returns True the
+    whole process group is ended and ``{"stopped_by": "on_epoch", ...}`` returned (a sweep's pruner).
+    ``cpus``: the CPU cores this job may use (default all), shared out as threads among its processes.
+    """
     logger = get_run_logger()
     nproc = resolve_nproc(job.train.nproc)
     out_dir = Path(job.out_dir)
@@ -106,16 +113,26 @@ def launch_training(job: WorkerJob) -> dict:
     if job.mlflow_run_id:
         env["MLFLOW_RUN_ID"] = job.mlflow_run_id
     if available_devices()[0] == "cpu":
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+        env["OMP_NUM_THREADS"] = str(max(1, (cpus or os.cpu_count() or 1) // nproc))
     logger.info("launching: %s", " ".join(cmd))
     artifact = create_progress_artifact(progress=0.0, key=f"{job.stage.replace('_', '-')}-progress", description=f"{job.stage}: epochs done")
     tail: collections.deque[str] = collections.deque(maxlen=200)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                             env=env, start_new_session=True)
+    history: list[dict] = []
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
             line = line.rstrip()
+            if line.startswith(EPOCH_MARKER):
+                history.append(json.loads(line[len(EPOCH_MARKER):]))
+                if on_epoch is not None and on_epoch(history[-1]["epoch"], history[-1]):
+                    logger.info("%s: stopped after epoch %d (pruned by the sweep)", job.stage, history[-1]["epoch"])
+                    _stop(proc)
+                    best = max(h["val_macro_f1"] for h in history)
+                    return {"stopped_by": "on_epoch", "epochs_run": history[-1]["epoch"], "best_val_macro_f1": best,
+                            "history": history}
+                continue
             tail.append(line)
             logger.info(line)
             if m := _PROGRESS.search(line):

@@ -11,6 +11,8 @@ import mlflow
 import pandas as pd
 from mlflow.data.dataset_source_registry import resolve_dataset_source
 from prefect import get_run_logger, task
+from prefect.cache_policies import CacheKeyFnPolicy
+from prefect.locking.filesystem import FileSystemLockManager
 from prefect.artifacts import create_markdown_artifact
 
 import training.data
@@ -55,7 +57,16 @@ def _cache_key(ctx, params: dict) -> str:
     return "zhflow-prepare-" + hashlib.sha256(str(params["out_dir"]).encode()).hexdigest()[:32]
 
 
-@task(name="prepare-data", persist_result=True, cache_key_fn=_cache_key)
+def _cache_policy() -> CacheKeyFnPolicy:
+    """Cached by content address; SERIALIZABLE with a file lock, so parallel sweep trials that need the same
+    prepared folder wait for the first one instead of writing it twice."""
+    locks = work_root() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return CacheKeyFnPolicy(cache_key_fn=_cache_key).configure(
+        isolation_level="SERIALIZABLE", lock_manager=FileSystemLockManager(lock_files_directory=locks))
+
+
+@task(name="prepare-data", persist_result=True)
 def prepare_data(data: DataConfig, pre: PreprocessConfig, augment: AugmentConfig, out_dir: str) -> dict:
     manifest = prepare_dataset(data, pre, out_dir, progress=True, augment=augment)
     return {"path": out_dir, "manifest": manifest}
@@ -68,7 +79,8 @@ def preprocess(data: DataConfig, pre: PreprocessConfig, augment: AugmentConfig, 
     out_dir = work_root() / "prepared" / preprocess_key(data, pre, augment)
     fresh = not (out_dir / MANIFEST).is_file()  # the folder is gone: the cache entry is stale
     with stage_run(parent, "preprocess") as run:
-        state = prepare_data.with_options(refresh_cache=fresh)(data, pre, augment, str(out_dir), return_state=True)
+        state = prepare_data.with_options(refresh_cache=fresh, cache_policy=_cache_policy())(
+            data, pre, augment, str(out_dir), return_state=True)
         prepared = state.result()
         manifest = prepared["manifest"]
         cached = state.name == "Cached"

@@ -6,25 +6,31 @@ was scored on another split, it is re-scored on this one before comparing.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
+from typing import Iterator
 
 import mlflow
 import pandas as pd
 from mlflow.exceptions import MlflowException
 from mlflow.models import infer_signature
 from mlflow.tracking import MlflowClient
-from prefect import get_run_logger, task
+from prefect import get_client, get_run_logger, task
+from prefect.concurrency.sync import concurrency
 from sklearn.metrics import f1_score
 
 import training
 from training.config import PipelineConfig
 from training.data.prepare import load_manifest
 from training.inference import TextClassifier
-from tasks.tracking import stage_run
+from tasks.tracking import stage_run, work_root
 
 EXAMPLE = ["这本书非常好看，值得一读", "质量太差了，很失望"]
 F1_TAG, SPLIT_TAG = "test_macro_f1", "test_content_digest"
@@ -45,6 +51,50 @@ def _champion_f1_on(client: MlflowClient, name: str, version, prepared: dict, di
     test = pd.read_json(Path(prepared["path"]) / "test.jsonl", lines=True)
     predicted = mlflow.pyfunc.load_model(f"models:/{name}/{version.version}").predict(test[["text"]])
     return float(f1_score(test["label"], predicted["label"], average="macro"))
+
+
+@contextmanager
+def registry_lock(name: str) -> Iterator[None]:
+    """An exclusive lock per registered model: a file lock on this machine and, with a Prefect server, a global
+    concurrency limit of 1 (runs on other machines that share the server wait too)."""
+    locks = work_root() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    slug = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:100]
+    with open(locks / f"registry-{slug}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            if os.environ.get("PREFECT_API_URL"):
+                limit = f"zhflow-registry-{slug}"
+                with get_client(sync_client=True) as prefect:
+                    prefect.upsert_global_concurrency_limit_by_name(limit, 1)
+                with concurrency(limit, occupy=1, timeout_seconds=600):
+                    yield
+            else:
+                yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def move_alias(client: MlflowClient, name: str, version: str, f1: float, digest: str, prepared: dict | None = None
+               ) -> tuple[str, str, float | None]:
+    """Give ``version`` the alias ``champion`` if it beats the champion's test macro-F1 on the same test split (or there
+    is none), else ``challenger``; under the registry lock, so that the check and the move are one step."""
+    with registry_lock(name):
+        try:
+            champion = client.get_model_version_by_alias(name, "champion")
+        except MlflowException:
+            champion = None
+        champion_f1 = None
+        if champion is None:
+            alias, reason = "champion", "first model"
+        else:
+            champion_f1 = _champion_f1_on(client, name, champion, prepared, digest)
+            if f1 > champion_f1:
+                alias, reason = "champion", f"beats version {champion.version} ({f1:.4f} > {champion_f1:.4f})"
+            else:
+                alias, reason = "challenger", f"does not beat version {champion.version} ({f1:.4f} <= {champion_f1:.4f})"
+        client.set_registered_model_alias(name, alias, version)
+    return alias, reason, champion_f1
 
 
 @task(name="register")
@@ -83,20 +133,9 @@ def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, pare
         version = info.registered_model_version
         for key, value in {F1_TAG: f"{f1:.6f}", SPLIT_TAG: digest, "parent_run_id": parent["run_id"]}.items():
             client.set_model_version_tag(name, str(version), key, value)
-        try:
-            champion = client.get_model_version_by_alias(name, "champion")
-        except MlflowException:
-            champion = None
-        if champion is None:
-            alias, reason = "champion", "first model"
-        else:
-            champion_f1 = _champion_f1_on(client, name, champion, prepared, digest)
+        alias, reason, champion_f1 = move_alias(client, name, str(version), f1, digest, prepared)
+        if champion_f1 is not None:
             mlflow.log_metric("champion_test_macro_f1", champion_f1)
-            if f1 > champion_f1:
-                alias, reason = "champion", f"beats version {champion.version} ({f1:.4f} > {champion_f1:.4f})"
-            else:
-                alias, reason = "challenger", f"does not beat version {champion.version} ({f1:.4f} <= {champion_f1:.4f})"
-        client.set_registered_model_alias(name, alias, str(version))
         mlflow.set_tags({"registered_model": name, "model_version": str(version), "alias": alias, "alias_reason": reason})
         logger.info("registered %s version %s as %s: %s", name, version, alias, reason)
         return {**result, "version": str(version), "uri": f"models:/{name}/{version}", "alias": alias}

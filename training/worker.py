@@ -40,6 +40,9 @@ from training.prune import prunable_weights
 from training.metric_logger import MetricLogger, NullLogger
 
 
+EPOCH_MARKER = "ZHFLOW_EPOCH "
+
+
 def lr_lambda(step: int, total: int, warmup: int, schedule: str = "linear") -> float:
     """Linear warm-up, then linear or cosine decay to zero (or constant)."""
     if step < warmup:
@@ -221,6 +224,8 @@ class Trainer:
             if self.info.is_main:  # checkpoint before the metrics reach MLflow: a restart never logs an epoch twice
                 self._save_last()
             self.log.flush()
+            if self.info.is_main:  # one machine-readable line per epoch: the launcher feeds it to a sweep's pruner
+                print(EPOCH_MARKER + json.dumps({"epoch": self.epoch, **val}), flush=True)
             self.print(f"epoch {self.epoch}/{t.epochs} done in {epoch_s:.1f}s: train loss {train_loss:.4f}, "
                        f"val macro-F1 {val['val_macro_f1']:.4f}, val acc {val['val_accuracy']:.4f}"
                        + (" (best)" if improved else f" (no gain {self.bad_epochs}/{t.patience})"))

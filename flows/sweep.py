@@ -1,0 +1,103 @@
+"""The ``sweep`` flow: an Optuna study over the pipeline's settings, then the best model evaluated and registered.
+
+    zhflow sweep --preset tiny --trials 6 --parallel 2 --study my-sweep
+    python -c "from flows.sweep import sweep; from training.config import tiny; sweep(tiny(), trials=4)"
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal, Optional
+
+from prefect import flow, get_client, get_run_logger
+from prefect.runtime import flow_run
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from training.config import PipelineConfig, default
+from training.sweep import DEFAULT_SPACE, check_space, grid
+from tasks.baseline import baseline_model
+from tasks.evaluate import evaluate_model
+from tasks.register import register_model
+from tasks.sweep import log_sweep_summary, open_study, run_trial, study_storage
+from tasks.tracking import close_pipeline_run, fail_open_runs, open_pipeline_run
+
+
+def _name() -> str:
+    study = flow_run.parameters.get("study")
+    return f"sweep-{study}" if study else f"sweep-{flow_run.scheduled_start_time.strftime('%Y%m%d-%H%M%S')}"
+
+
+@flow(name="sweep", flow_run_name=_name, log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=16),
+      on_failure=[fail_open_runs], on_crashed=[fail_open_runs], on_cancellation=[fail_open_runs])
+def sweep(
+    config: PipelineConfig = default(),
+    trials: int = 8,
+    sampler: Literal["tpe", "random", "grid"] = "tpe",
+    pruner: Literal["median", "successive_halving", "none"] = "median",
+    space: Optional[dict[str, dict]] = None,
+    parallel: int = 1,
+    study: Optional[str] = None,
+    seed: Optional[int] = 13,
+    experiment: str = "zhflow-sweep",
+) -> dict:
+    """Search the settings with Optuna (bad trials stopped early), then evaluate and register the best model.
+
+    Args:
+        config: The settings every trial starts from; the search space overrides some of them.
+        trials: Trials to run in this call (a continued study adds them to its earlier ones).
+        sampler: tpe (Bayesian), random, or grid (every combination of the space's choices).
+        pruner: Stops a trial whose validation macro-F1 falls behind: median of the finished trials at the same epoch, or successive halving.
+        space: Settings to search, e.g. {"train.lr": {"low": 0.0003, "high": 0.003, "log": true}}. Empty: the built-in space.
+        parallel: Trials run at once; each gets its share of the CPU cores (or GPUs).
+        study: Optuna study name; running again with the same name continues that study. Empty: a new study.
+        seed: Seed of the sampler (same seed and space, same suggestions).
+        experiment: MLflow experiment of the sweep's runs.
+    """
+    logger = get_run_logger()
+    if trials < 1 or parallel < 1:
+        raise ValueError(f"trials and parallel must be at least 1, got trials={trials}, parallel={parallel}")
+    space = check_space(space or DEFAULT_SPACE)
+    if sampler == "grid":
+        size = 1
+        for values in grid(space).values():
+            size *= len(values)
+        trials = min(trials, size)
+    study_name = study or f"zhflow-{flow_run.id or 'local'}"
+    storage = study_storage()
+    cores = os.cpu_count() or 1
+    cpus = max(1, cores // parallel)
+    if config.train.nproc is None:  # one process per core of the trial's share
+        config = config.model_copy(update={"train": config.train.model_copy(update={"nproc": cpus})})
+    parent = open_pipeline_run(config, experiment, kind="sweep")
+    opened = open_study(study_name, storage, sampler, pruner, space, seed)
+    earlier = len(opened.trials)
+    limit = f"zhflow-sweep-{study_name}"[:100]
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(limit, parallel)
+    logger.info("study %r (%d earlier trials) in %s; %d trial(s), %d at a time, %d core(s) each",
+                study_name, earlier, storage.split("@")[-1], trials, parallel, cpus)
+    # each trial's sampler gets its own seed (the same seed in every trial would suggest the same settings)
+    futures = [run_trial.submit(config, space, study_name, storage, sampler, pruner, None if seed is None else seed + earlier + slot,
+                                parent, cpus, limit, slot) for slot in range(trials)]
+    results = [f.result() for f in futures]
+    finished = open_study(study_name, storage, sampler, pruner, space, seed)
+    rows = log_sweep_summary(finished, parent["run_id"])
+    counts = {state: sum(r["state"] == state for r in results) for state in ("complete", "pruned", "failed")}
+    summary = {"experiment": parent["experiment"], "parent_run_id": parent["run_id"], "study": study_name, "storage": storage,
+               "trials": results, "counts": counts, "earlier_trials": earlier, "table": rows}
+    complete = [t for t in finished.trials if t.state.name == "COMPLETE" and "checkpoint" in t.user_attrs]
+    if not complete:
+        close_pipeline_run(parent, {f"trials_{k}": v for k, v in counts.items()}, {"champion": "none: no trial completed"})
+        raise RuntimeError(f"sweep {study_name}: no trial completed ({counts}); see the trial runs' zhflow.failure tags")
+    best = max(complete, key=lambda t: t.value)
+    best_config = PipelineConfig.model_validate(best.user_attrs["config"])
+    prepared = {"path": best.user_attrs["prepared"]}
+    evaluated = evaluate_model(best_config, best.user_attrs["checkpoint"], prepared, parent, stage="evaluate")
+    baseline = baseline_model(best_config, prepared, parent)
+    model = register_model(best_config, evaluated, prepared, parent)
+    metrics = (evaluated["metrics"] | {f"baseline_{k}": v for k, v in baseline["metrics"].items()}
+               | {f"trials_{k}": v for k, v in counts.items()} | {"best_val_macro_f1": best.value, "best_trial": best.number})
+    close_pipeline_run(parent, metrics, {"model_version": model["version"], "alias": model["alias"], "best_trial": str(best.number),
+                                         "optuna.study": study_name})
+    return {**summary, "best": {"trial": best.number, "val_macro_f1": best.value, "params": best.params},
+            "metrics": metrics, "model": {k: model[k] for k in ("name", "version", "uri", "alias")}}

@@ -1,0 +1,187 @@
+"""Sweep tasks: an Optuna study persisted in SQL; each trial is a Prefect task and a nested MLflow run.
+
+A trial trains through the same launcher and DDP worker as ``zhflow run``; every epoch's validation
+macro-F1 goes to the study's pruner, and a hopeless trial's process group is ended there and then.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import mlflow
+import optuna
+from mlflow.tracking import MlflowClient
+from prefect import get_run_logger, task
+from prefect.concurrency.sync import concurrency
+
+from training.config import ConfigError, PipelineConfig, flatten
+from training.sweep import apply_params, grid, suggest
+from tasks.preprocess import preprocess
+from tasks.prune import prune_round
+from tasks.tracking import STAGE_TAG, prefect_tags, stage_run, work_root
+from tasks.train import launch_worker
+
+TRIAL_STATE_TAG = "zhflow.trial_state"
+
+
+def study_storage() -> str:
+    """$ZHFLOW_OPTUNA_STORAGE (e.g. a PostgreSQL URL), else SQLite beside the MLflow SQLite store, else in $ZHFLOW_HOME."""
+    if url := os.environ.get("ZHFLOW_OPTUNA_STORAGE"):
+        return url
+    uri = mlflow.get_tracking_uri()
+    if uri.startswith("sqlite:///"):
+        return f"sqlite:///{Path(uri[len('sqlite:///'):]).with_name('optuna.db')}"
+    work_root().mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{work_root() / 'optuna.db'}"
+
+
+def make_sampler(name: str, space: dict, seed: int | None) -> optuna.samplers.BaseSampler:
+    if name == "grid":
+        return optuna.samplers.GridSampler(grid(space), seed=seed)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)
+
+
+def make_pruner(name: str) -> optuna.pruners.BasePruner:
+    if name == "median":  # stop a trial whose epoch is below the median of finished trials at that epoch
+        return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0)
+    if name == "successive_halving":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2)
+    return optuna.pruners.NopPruner()
+
+
+def open_study(name: str, storage: str, sampler: str, pruner: str, space: dict, seed: int | None) -> optuna.Study:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.create_study(study_name=name, storage=storage, load_if_exists=True, direction="maximize",
+                               sampler=make_sampler(sampler, space, seed), pruner=make_pruner(pruner))
+
+
+@task(name="trial", task_run_name="trial-{slot}")
+def run_trial(base: PipelineConfig, space: dict, study_name: str, storage: str, sampler: str, pruner: str,
+              seed: int | None, sweep: dict, cpus: int, limit: str, slot: int) -> dict:
+    """Ask the study for settings, train (pruned early if hopeless), prune the model if asked, tell the study."""
+    logger = get_run_logger()
+    with concurrency(limit, occupy=1):  # at most --parallel trials at once, across every process on this server
+        study = open_study(study_name, storage, sampler, pruner, space, seed)
+        trial = study.ask()
+        params = suggest(trial, space)
+        client = MlflowClient()
+        run = client.create_run(sweep["experiment_id"], run_name=f"trial-{trial.number}", tags={
+            "mlflow.parentRunId": sweep["run_id"], STAGE_TAG: "trial", "optuna.study": study_name,
+            "optuna.trial_number": str(trial.number), **prefect_tags()})
+        trial_run = {**sweep, "run_id": run.info.run_id, "work_dir": str(Path(sweep["work_dir"]) / f"trial-{trial.number}")}
+        started = time.perf_counter()
+        summary = {"number": trial.number, "run_id": run.info.run_id, "params": params}
+
+        def finish(state: str, value: float | None = None, reason: str = "") -> dict:
+            if state == "complete":
+                study.tell(trial, value)
+            else:
+                study.tell(trial, state=optuna.trial.TrialState.PRUNED if state == "pruned" else optuna.trial.TrialState.FAIL)
+            client.set_tag(run.info.run_id, TRIAL_STATE_TAG, state)
+            if reason:
+                client.set_tag(run.info.run_id, "zhflow.failure" if state == "failed" else "zhflow.pruned_reason", reason[:4000])
+            seconds = time.perf_counter() - started
+            client.log_metric(run.info.run_id, "trial_seconds", seconds)
+            client.set_terminated(run.info.run_id, {"complete": "FINISHED", "pruned": "KILLED"}.get(state, "FAILED"))
+            logger.info("trial %d %s%s in %.0fs: %s", trial.number, state, f" ({value:.4f})" if value is not None else "",
+                        seconds, reason or params)
+            return {**summary, "state": state, "value": value, "seconds": seconds, "reason": reason}
+
+        try:
+            config = apply_params(base, params)
+        except ConfigError as err:  # a combination the settings refuse: a failed trial, not a failed sweep
+            return finish("failed", reason=str(err))
+        try:
+            params_flat = flatten(config)
+            client.log_batch(run.info.run_id, params=[mlflow.entities.Param(k, str(v)) for k, v in params_flat.items()])
+            prepared = preprocess(config.data, config.preprocess, config.augment, trial_run)
+            history: list[float] = []
+
+            def report(epoch: int, metrics: dict) -> bool:
+                history.append(metrics["val_macro_f1"])
+                client.log_metric(run.info.run_id, "val_macro_f1", metrics["val_macro_f1"], step=epoch)
+                trial.report(metrics["val_macro_f1"], epoch)
+                return trial.should_prune()
+
+            with stage_run(trial_run, "train") as train_run:
+                trained = launch_worker("train", config, prepared, train_run.info.run_id, Path(trial_run["work_dir"]) / "train",
+                                        on_epoch=report, cpus=cpus)
+                if trained.get("stopped_by"):
+                    mlflow.set_tag(TRIAL_STATE_TAG, "pruned")
+            client.log_metric(run.info.run_id, "epochs_run", trained["epochs_run"])
+            if trained.get("stopped_by"):
+                return finish("pruned", reason=f"validation macro-F1 {history[-1]:.4f} after epoch {trained['epochs_run']} "
+                                                f"is below the {pruner} rule of the finished trials")
+            checkpoint, value = trained["best_checkpoint"], trained["best_val_macro_f1"]
+            if config.prune.amount > 0:
+                for round_no, amount in enumerate(config.prune.round_amounts(), 1):
+                    done = prune_round(config, checkpoint, prepared, trial_run, round_no, amount, cpus=cpus)
+                    checkpoint, value = done["checkpoint"], done["best_val_macro_f1"]
+            client.log_metric(run.info.run_id, "best_val_macro_f1", value)
+            client.set_tag(run.info.run_id, "checkpoint", checkpoint)
+            trial.set_user_attr("checkpoint", checkpoint)  # so that a later sweep of the same study can pick it
+            trial.set_user_attr("prepared", prepared["path"])
+            trial.set_user_attr("config", config.model_dump(mode="json"))
+            return {**finish("complete", value), "checkpoint": checkpoint}
+        except Exception as err:  # noqa: BLE001 - a failed trial is recorded, the sweep goes on
+            finish("failed", reason=f"{type(err).__name__}: {err}")
+            return {**summary, "state": "failed", "value": None, "reason": str(err)}
+
+
+def trials_table(study: optuna.Study) -> list[dict]:
+    """Every trial of the study: number, state, value, duration and settings."""
+    rows = []
+    for t in study.trials:
+        seconds = (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete and t.datetime_start else None
+        rows.append({"trial": t.number, "state": t.state.name.lower(), "best_val_macro_f1": t.value,
+                     "epochs": len(t.intermediate_values) or None, "seconds": seconds, **t.params})
+    return rows
+
+
+def _markdown(frame) -> str:
+    def cell(v) -> str:
+        return "" if v is None or v != v else f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
+def log_sweep_summary(study: optuna.Study, run_id: str) -> list[dict]:
+    """The trials table (MLflow table + markdown) and the optimisation-history plot on the sweep's parent run."""
+    import pandas as pd
+
+    from training.metrics import _pyplot
+
+    rows = trials_table(study)
+    client = MlflowClient()
+    frame = pd.DataFrame(rows)
+    client.log_table(run_id, frame, "trials.json")
+    with tempfile.TemporaryDirectory() as tmp:
+        plt, _ = _pyplot([])
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        done = [r for r in rows if r["state"] == "complete"]
+        if done:
+            ax.plot([r["trial"] for r in done], [r["best_val_macro_f1"] for r in done], "o", label="complete")
+            best, running = [], -1.0
+            for r in done:
+                running = max(running, r["best_val_macro_f1"])
+                best.append(running)
+            ax.step([r["trial"] for r in done], best, where="post", label="best so far")
+        pruned = [t for t in study.trials if t.state.name == "PRUNED" and t.intermediate_values]
+        if pruned:
+            ax.plot([t.number for t in pruned], [max(t.intermediate_values.values()) for t in pruned], "x", color="grey",
+                    label="pruned (best epoch before it stopped)")
+        ax.set(xlabel="trial", ylabel="validation macro-F1", title=f"sweep {study.study_name}: optimisation history")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(Path(tmp) / "optimization_history.png", dpi=110)
+        plt.close(fig)
+        (Path(tmp) / "trials.md").write_text(_markdown(frame), encoding="utf-8")
+        client.log_artifacts(run_id, tmp)
+    return rows

@@ -1,0 +1,191 @@
+"""Sweeps: search spaces, a real Optuna study persisted in SQLite, trials through torchrun with early stopping,
+the MLflow tree, the alias rule under concurrent registrations, and serving the champion."""
+
+import json
+import os
+import threading
+
+import mlflow
+import optuna
+import pytest
+from mlflow.tracking import MlflowClient
+
+from flows.cli import main as zhflow
+from tests.conftest import sentiment_rows, write_csv
+from training.config import PipelineConfig, tiny
+from training.sweep import DEFAULT_SPACE, SpaceError, apply_params, check_space, grid, load_space, suggest
+
+
+def test_default_space_is_valid_and_samples_valid_configs():
+    space = check_space(DEFAULT_SPACE)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(20):
+        trial = study.ask()
+        config = apply_params(tiny(), suggest(trial, space))
+        assert isinstance(config, PipelineConfig)
+        assert config.model.name in ("textcnn", "bilstm") and 3e-4 <= config.train.lr <= 5e-3
+        assert isinstance(config.train.epochs, int) and isinstance(config.model.num_filters, int)
+        study.tell(trial, 0.5)
+
+
+@pytest.mark.parametrize("space, message", [
+    ({}, "expected a mapping"),
+    ({"train.speed": {"choices": [1]}}, "train has no setting 'speed'"),
+    ({"nope.lr": {"choices": [1]}}, "not a setting"),
+    ({"train.lr": {"low": 0.1, "high": 0.01}}, "low must be a number below high"),
+    ({"train.lr": {"low": 0, "high": 1, "log": True}}, "log range needs low > 0"),
+    ({"train.lr": {"low": 0.1}}, "needs low and high"),
+    ({"train.batch_size": {"choices": [0, 32]}}, "0 is not a valid value"),
+    ({"model.name": {"choices": ["gpt"]}}, "'gpt' is not a valid value"),
+    ({"model.name": {"choices": []}}, "non-empty list"),
+])
+def test_bad_spaces_name_the_setting(space, message):
+    with pytest.raises(SpaceError, match=message):
+        check_space(space)
+
+
+def test_space_files_and_grid(tmp_path):
+    path = tmp_path / "space.yaml"
+    path.write_text("model.num_filters: {low: 50, high: 150, step: 50}\ntrain.lr: [0.001, 0.003]\n", encoding="utf-8")
+    space = load_space(path)
+    assert grid(space) == {"model.num_filters": [50, 100, 150], "train.lr": [0.001, 0.003]}
+    (tmp_path / "bad.yaml").write_text("train.lr: {low: [\n", encoding="utf-8")
+    with pytest.raises(SpaceError, match="bad.yaml: not valid YAML"):
+        load_space(tmp_path / "bad.yaml")
+    with pytest.raises(SpaceError, match="grid sampler needs choices"):
+        grid(check_space({"train.lr": {"low": 0.001, "high": 0.01}}))
+    with pytest.raises(SpaceError, match="no such file"):
+        load_space(tmp_path / "missing.yaml")
+
+
+def test_concurrent_registrations_leave_the_alias_on_the_best(mlflow_store, tmp_path):
+    """Eight runs finishing at once, in a random order: the champion is the best, whatever the interleaving."""
+    from tasks.register import F1_TAG, SPLIT_TAG, move_alias
+
+    client = MlflowClient()
+    client.create_registered_model("race")
+    run = client.create_run(client.create_experiment("race"))
+    scores = [0.71, 0.93, 0.64, 0.88, 0.9, 0.77, 0.92, 0.5]
+    versions = []
+    for f1 in scores:
+        v = client.create_model_version("race", str(tmp_path), run.info.run_id).version
+        client.set_model_version_tag("race", v, F1_TAG, str(f1))
+        client.set_model_version_tag("race", v, SPLIT_TAG, "same-split")
+        versions.append(str(v))
+    barrier = threading.Barrier(len(scores))
+
+    def register(version, f1):
+        barrier.wait()
+        move_alias(MlflowClient(), "race", version, f1, "same-split")
+
+    threads = [threading.Thread(target=register, args=(v, f)) for v, f in zip(versions, scores)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    best = versions[scores.index(max(scores))]
+    assert str(client.get_model_version_by_alias("race", "champion").version) == best
+    # and the plain rule: a worse model gets challenger, a better one moves the champion
+    assert move_alias(client, "race", versions[0], 0.71, "same-split")[0] == "challenger"
+    v = client.create_model_version("race", str(tmp_path), run.info.run_id).version
+    assert move_alias(client, "race", str(v), 0.95, "same-split")[0] == "champion"
+    assert str(client.get_model_version_by_alias("race", "champion").version) == str(v)
+
+
+@pytest.mark.slow
+def test_sweep_prunes_persists_registers_and_serves(prefect_server, mlflow_store, tmp_path):
+    data = write_csv(tmp_path / "reviews.csv", sentiment_rows(60))
+    common = ["sweep", "--preset", "tiny", "--dataset", str(data), "--set", "data.max_samples=null", "--set", "train.epochs=3",
+              "--set", "train.patience=3", "--set", "prune.amount=0.3", "--study", "s1", "--parallel", "2",
+              "--experiment", "sw"]
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"train.lr": {"low": 0.01, "high": 0.02}}))
+    bad = tmp_path / "bad.json"  # a learning rate that cannot learn: behind the finished trials after one epoch
+    bad.write_text(json.dumps({"train.lr": {"low": 1e-9, "high": 2e-9}}))
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    assert zhflow(common + ["--trials", "2", "--space", str(good), "--json-out", str(first)]) == 0
+    assert zhflow(common + ["--trials", "2", "--space", str(bad), "--json-out", str(second)]) == 0
+    one, two = json.loads(first.read_text()), json.loads(second.read_text())
+
+    # the study was continued, not restarted; the hopeless trials were stopped after their first epoch
+    assert one["counts"] == {"complete": 2, "pruned": 0, "failed": 0} and two["earlier_trials"] == 2
+    assert two["counts"]["pruned"] >= 1 and [r["trial"] for r in two["table"]] == [0, 1, 2, 3]
+    study = optuna.load_study(study_name="s1", storage=two["storage"])
+    assert len(study.trials) == 4 and two["storage"].endswith("optuna.db")
+    pruned = [t for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
+    assert pruned and all(len(t.intermediate_values) < 3 for t in pruned)
+
+    # MLflow: sweep parent -> trial runs (params named as in `zhflow run`) -> stage runs; pruned trials KILLED + tagged
+    client = MlflowClient()
+    parent = client.get_run(two["parent_run_id"])
+    trials = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}' "
+                                                              "and tags.`zhflow.stage` = 'trial'")
+    assert len(trials) == 2
+    for t in trials:
+        assert t.data.params["train.lr"] and t.data.params["model.name"] == "textcnn"
+        stages = {r.data.tags["zhflow.stage"] for r in client.search_runs(
+            [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{t.info.run_id}'")}
+        assert {"preprocess", "train"} <= stages
+        if t.data.tags["zhflow.trial_state"] == "pruned":
+            assert t.info.status == "KILLED" and "below the median" in t.data.tags["zhflow.pruned_reason"]
+    done = [t for t in client.search_runs([parent.info.experiment_id], "tags.`zhflow.stage` = 'trial'")
+            if t.data.tags["zhflow.trial_state"] == "complete"]
+    assert done and all(client.get_metric_history(t.info.run_id, "val_macro_f1") for t in done)
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"trials.json", "trials.md", "optimization_history.png"} <= artifacts
+    stages = {r.data.tags.get("zhflow.stage") for r in client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")}
+    assert {"evaluate", "baseline", "register", "trial"} <= stages
+
+    # the champion: the first sweep's best registered as champion; the second sweep's (the same study best, not better) not
+    assert one["model"]["alias"] == "champion" and two["model"]["alias"] == "challenger"
+
+    # zhflow predict on the champion
+    out = tmp_path / "pred.jsonl"
+    assert zhflow(["predict", "--model-uri", f"models:/{one['model']['name']}@champion", "这本书非常好看", "质量太差了",
+                   "--json-out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [r["text"] for r in rows] == ["这本书非常好看", "质量太差了"]
+    assert all(r["label"] in ("positive", "negative") and abs(r["prob_positive"] + r["prob_negative"] - 1) < 1e-5 for r in rows)
+
+    # `mlflow models serve` answers /invocations with labels for raw Chinese strings
+    _serve_and_post(f"models:/{one['model']['name']}@champion", tmp_path)
+
+
+def _serve_and_post(model_uri: str, tmp_path) -> None:
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mlflow_bin = str(Path(sys.executable).with_name("mlflow"))
+    log = open(tmp_path / "serve.log", "w")
+    server = subprocess.Popen([mlflow_bin, "models", "serve", "-m", model_uri, "--env-manager", "local", "-h", "127.0.0.1",
+                               "-p", str(port)], stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, "the model server did not answer /ping in 120 s"
+                time.sleep(1)
+        body = json.dumps({"inputs": ["这本书非常好看，值得一读", "质量太差了，很失望"]}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
+                                         headers={"Content-Type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(request, timeout=30).read())
+        predictions = answer["predictions"]
+        assert len(predictions) == 2 and all(p["label"] in ("positive", "negative") for p in predictions)
+    finally:
+        import signal
+
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+        log.close()

@@ -1,0 +1,145 @@
+"""Sweep search spaces: which settings a sweep varies, and how Optuna samples them.
+
+A space maps setting names (the same ``section.key`` names as ``--set`` and the MLflow params) to
+either a list of choices or a numeric range:
+
+    model.name: {choices: [textcnn, bilstm]}
+    train.lr: {low: 3.0e-4, high: 3.0e-3, log: true}
+    model.num_filters: {low: 50, high: 200, step: 50}
+
+    from training.sweep import DEFAULT_SPACE, load_space, suggest, apply_params
+    params = suggest(trial, DEFAULT_SPACE)          # {"model.name": "bilstm", "train.lr": 0.0011, ...}
+    config = apply_params(base_config, params)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from training.config import ConfigError, PipelineConfig, validate
+
+DEFAULT_SPACE: dict[str, dict] = {
+    "model.name": {"choices": ["textcnn", "bilstm"]},
+    "model.input": {"choices": ["word", "char", "both"]},
+    "model.embed_dim": {"choices": [64, 128, 200]},
+    "model.num_filters": {"low": 50, "high": 200, "step": 50},
+    "model.hidden_size": {"choices": [64, 128]},
+    "model.dropout": {"low": 0.1, "high": 0.6},
+    "train.lr": {"low": 3e-4, "high": 5e-3, "log": True},
+    "train.batch_size": {"choices": [32, 64, 128]},
+    "train.epochs": {"low": 3, "high": 6},
+    "augment.enabled": {"choices": [False, True]},
+    "preprocess.segmenter": {"choices": ["jieba", "rjieba"]},
+    "prune.amount": {"choices": [0.0, 0.3, 0.5]},
+}
+
+
+class SpaceError(ConfigError):
+    """A search space that cannot be used; the message names the file and the setting."""
+
+
+def _field(name: str):
+    section, _, key = name.partition(".")
+    if section not in PipelineConfig.model_fields or not key:
+        raise SpaceError(f"{name!r}: not a setting; use section.key names such as train.lr (sections: "
+                         f"{', '.join(PipelineConfig.model_fields)})")
+    fields = PipelineConfig.model_fields[section].annotation.model_fields
+    if key not in fields:
+        raise SpaceError(f"{name!r}: {section} has no setting {key!r}; it has: {', '.join(fields)}")
+    return fields[key]
+
+
+def check_space(space: dict[str, Any], source: str = "search space") -> dict[str, dict]:
+    """The space, checked: known settings, non-empty choices, low < high; every value valid for its setting."""
+    if not isinstance(space, dict) or not space:
+        raise SpaceError(f"{source}: expected a mapping of settings to {{choices: [...]}} or {{low, high}}, got {space!r}")
+    out = {}
+    for name, spec in space.items():
+        _field(name)
+        where = f"{source}: {name}"
+        if isinstance(spec, list):
+            spec = {"choices": spec}
+        if not isinstance(spec, dict):
+            raise SpaceError(f"{where}: expected {{choices: [...]}} or {{low: ..., high: ...}}, got {spec!r}")
+        if "choices" in spec:
+            if set(spec) != {"choices"} or not isinstance(spec["choices"], list) or not spec["choices"]:
+                raise SpaceError(f"{where}: choices must be a non-empty list (and alone), got {spec!r}")
+            samples = spec["choices"]
+        else:
+            unknown = set(spec) - {"low", "high", "log", "step"}
+            if unknown or "low" not in spec or "high" not in spec:
+                raise SpaceError(f"{where}: a range needs low and high (and optionally log or step), got {spec!r}")
+            low, high = spec["low"], spec["high"]
+            if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (low, high)) or not low < high:
+                raise SpaceError(f"{where}: low must be a number below high, got low={low!r} high={high!r}")
+            if spec.get("log") and low <= 0:
+                raise SpaceError(f"{where}: a log range needs low > 0, got {low!r}")
+            samples = [low, high]
+        for value in samples:  # the setting's own validation, naming the setting
+            try:
+                apply_params(PipelineConfig(), {name: value})
+            except ConfigError as err:
+                raise SpaceError(f"{where}: {value!r} is not a valid value: {err}") from None
+        out[name] = spec
+    return out
+
+
+def load_space(path: str | Path) -> dict[str, dict]:
+    """A space from a YAML or JSON file."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise SpaceError(f"search space {str(path)!r}: no such file")
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as err:
+        raise SpaceError(f"search space {path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {err}") from None
+    return check_space(data, str(path))
+
+
+def _is_int(name: str, spec: dict) -> bool:
+    annotation = str(_field(name).annotation)
+    return "int" in annotation and "float" not in annotation and all(isinstance(spec[k], int) for k in ("low", "high"))
+
+
+def suggest(trial, space: dict[str, dict]) -> dict[str, Any]:
+    """One value per setting from an Optuna trial."""
+    params = {}
+    for name, spec in space.items():
+        if "choices" in spec:
+            params[name] = trial.suggest_categorical(name, spec["choices"])
+        elif _is_int(name, spec):
+            params[name] = trial.suggest_int(name, spec["low"], spec["high"], step=spec.get("step", 1), log=spec.get("log", False))
+        else:
+            params[name] = trial.suggest_float(name, spec["low"], spec["high"], step=spec.get("step"), log=spec.get("log", False))
+    return params
+
+
+def grid(space: dict[str, dict]) -> dict[str, list]:
+    """The grid for Optuna's GridSampler: choices as they are, integer ranges with a step expanded."""
+    out = {}
+    for name, spec in space.items():
+        if "choices" in spec:
+            out[name] = spec["choices"]
+        elif _is_int(name, spec) and not spec.get("log"):
+            out[name] = list(range(spec["low"], spec["high"] + 1, spec.get("step", 1)))
+        elif spec.get("step"):
+            n = int(round((spec["high"] - spec["low"]) / spec["step"]))
+            out[name] = [spec["low"] + i * spec["step"] for i in range(n + 1)]
+        else:
+            raise SpaceError(f"{name}: the grid sampler needs choices or a range with a step, got {spec!r}")
+    return out
+
+
+def apply_params(config: PipelineConfig, params: dict[str, Any]) -> PipelineConfig:
+    """``config`` with the trial's settings (validated; a bad combination raises ConfigError naming the field)."""
+    data = config.model_dump()
+    for name, value in params.items():
+        section, key = name.split(".", 1)
+        data[section][key] = value
+    return validate(data)
