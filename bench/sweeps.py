@@ -34,8 +34,8 @@ def _sweep(config, pruner: str, tmp: Path, trials: int) -> dict:
 def run(quick: bool, repeats: int) -> str:
     from prefect.testing.utilities import prefect_test_harness
 
-    trials = 4 if quick else TRIALS
-    config = preset("tiny") if quick else apply_overrides(preset("default"), ["data.max_samples=6000"])
+    trials = 3 if quick else TRIALS
+    config = preset("tiny") if quick else apply_overrides(preset("default"), ["data.max_samples=4000"])
     saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "ZHFLOW_HOME")}
     try:
         with tempfile.TemporaryDirectory() as tmp_name, prefect_test_harness(server_startup_timeout=120):
@@ -69,7 +69,7 @@ def run(quick: bool, repeats: int) -> str:
         return ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k not in skip)
 
     per_trial = "\n".join(f"| {a['trial']} | {cells(a)} | {cells(b)} | {settings(a)} |" for a, b in zip(full["table"], pruned["table"]))
-    data = "the tiny preset (600 texts)" if quick else "6,000 texts of the built-in corpus (default preset, deduplicated)"
+    data = "the tiny preset (600 texts)" if quick else "4,000 texts of the built-in corpus (default preset, deduplicated)"
     return "\n".join([
         "## Sweeps",
         "",

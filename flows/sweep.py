@@ -18,7 +18,7 @@ from training.sweep import DEFAULT_SPACE, check_space, grid
 from tasks.baseline import baseline_model
 from tasks.evaluate import evaluate_model
 from tasks.register import register_model
-from tasks.sweep import log_sweep_summary, open_study, run_trial, study_storage
+from tasks.sweep import log_sweep_summary, open_study, recover_interrupted, run_trial, study_storage
 from tasks.tracking import close_pipeline_run, fail_open_runs, open_pipeline_run
 
 
@@ -70,6 +70,8 @@ def sweep(
         config = config.model_copy(update={"train": config.train.model_copy(update={"nproc": cpus})})
     parent = open_pipeline_run(config, experiment, kind="sweep")
     opened = open_study(study_name, storage, sampler, pruner, space, seed)
+    if redo := recover_interrupted(opened):
+        logger.warning("study %r: trial(s) %s were left running by an interrupted sweep; they are run again first", study_name, redo)
     earlier = len(opened.trials)
     limit = f"zhflow-sweep-{study_name}"[:100]
     with get_client(sync_client=True) as client:

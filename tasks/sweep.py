@@ -60,6 +60,17 @@ def open_study(name: str, storage: str, sampler: str, pruner: str, space: dict, 
                                sampler=make_sampler(sampler, space, seed), pruner=make_pruner(pruner))
 
 
+def recover_interrupted(study: optuna.Study) -> list[int]:
+    """Trials left RUNNING by a sweep that was killed: marked FAIL and queued again, so a resumed sweep redoes them
+    first. (Run one sweep per study at a time: a trial still running elsewhere would be redone too.)"""
+    redo = []
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        study.tell(t.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+        study.enqueue_trial(t.params, user_attrs={"zhflow_retry_of": t.number}, skip_if_exists=False)
+        redo.append(t.number)
+    return redo
+
+
 @task(name="trial", task_run_name="trial-{slot}")
 def run_trial(base: PipelineConfig, space: dict, study_name: str, storage: str, sampler: str, pruner: str,
               seed: int | None, sweep: dict, cpus: int, limit: str, slot: int) -> dict:

@@ -166,7 +166,9 @@ def _serve_and_post(model_uri: str, tmp_path) -> None:
     mlflow_bin = str(Path(sys.executable).with_name("mlflow"))
     log = open(tmp_path / "serve.log", "w")
     server = subprocess.Popen([mlflow_bin, "models", "serve", "-m", model_uri, "--env-manager", "local", "-h", "127.0.0.1",
-                               "-p", str(port)], stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ), start_new_session=True)
+                               "-p", str(port)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                              # MLflow starts `uvicorn` from PATH: the environment's bin folder must be on it
+                              env=dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"))
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -189,3 +191,20 @@ def _serve_and_post(model_uri: str, tmp_path) -> None:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
         log.close()
+
+
+def test_trials_left_running_by_an_interrupted_sweep_are_redone_first(tmp_path):
+    from tasks.sweep import recover_interrupted
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'optuna.db'}", study_name="s", direction="maximize")
+    lost = study.ask()
+    lr = lost.suggest_float("train.lr", 1e-3, 1e-2)  # the process running it was killed: RUNNING forever
+    done = study.ask()
+    done.suggest_float("train.lr", 1e-3, 1e-2)
+    study.tell(done, 0.8)
+    resumed = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    assert recover_interrupted(resumed) == [lost.number]
+    again = resumed.ask()
+    assert again.suggest_float("train.lr", 1e-3, 1e-2) == lr and again.user_attrs["zhflow_retry_of"] == lost.number
+    assert [t.state.name for t in resumed.trials] == ["FAIL", "COMPLETE", "RUNNING"]
+    assert recover_interrupted(optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'optuna.db'}")) == [2]
