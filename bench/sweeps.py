@@ -36,6 +36,7 @@ def run(quick: bool, repeats: int) -> str:
 
     trials = 3 if quick else TRIALS
     config = preset("tiny") if quick else apply_overrides(preset("default"), ["data.max_samples=4000"])
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry from the temporary server
     saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "ZHFLOW_HOME")}
     try:
         with tempfile.TemporaryDirectory() as tmp_name, prefect_test_harness(server_startup_timeout=120):

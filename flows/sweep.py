@@ -18,7 +18,7 @@ from training.sweep import DEFAULT_SPACE, check_space, grid
 from tasks.baseline import baseline_model
 from tasks.evaluate import evaluate_model
 from tasks.register import register_model
-from tasks.sweep import log_sweep_summary, open_study, recover_interrupted, run_trial, study_storage
+from tasks.sweep import log_sweep_summary, open_study, recover_interrupted, run_trial, share_gpus, study_storage
 from tasks.tracking import close_pipeline_run, fail_open_runs, open_pipeline_run
 
 
@@ -48,9 +48,9 @@ def sweep(
         sampler: tpe (Bayesian), random, or grid (every combination of the space's choices).
         pruner: Stops a trial whose validation macro-F1 falls behind: median of the finished trials at the same epoch, or successive halving.
         space: Settings to search, e.g. {"train.lr": {"low": 0.0003, "high": 0.003, "log": true}}. Empty: the built-in space.
-        parallel: Trials run at once; each gets its share of the CPU cores (or GPUs).
+        parallel: Trials run at once; each gets its share of the CPU cores, or its own GPU(s) on a GPU machine.
         study: Optuna study name; running again with the same name continues that study. Empty: a new study.
-        seed: Seed of the sampler (same seed and space, same suggestions).
+        seed: Seed of the sampler: with parallel 1, the same seed and space give the same suggestions.
         experiment: MLflow experiment of the sweep's runs.
     """
     logger = get_run_logger()
@@ -66,21 +66,21 @@ def sweep(
     storage = study_storage()
     cores = os.cpu_count() or 1
     cpus = max(1, cores // parallel)
-    if config.train.nproc is None:  # one process per core of the trial's share
-        config = config.model_copy(update={"train": config.train.model_copy(update={"nproc": cpus})})
+    limit = f"zhflow-sweep-{study_name}"[:100]
+    per_trial = share_gpus(limit, parallel) or cpus  # a GPU machine: each trial its own GPU(s); else its cores
+    if config.train.nproc is None:  # one process per GPU or core of the trial's share
+        config = config.model_copy(update={"train": config.train.model_copy(update={"nproc": per_trial})})
     parent = open_pipeline_run(config, experiment, kind="sweep")
     opened = open_study(study_name, storage, sampler, pruner, space, seed)
     if redo := recover_interrupted(opened):
         logger.warning("study %r: trial(s) %s were left running by an interrupted sweep; they are run again first", study_name, redo)
     earlier = len(opened.trials)
-    limit = f"zhflow-sweep-{study_name}"[:100]
     with get_client(sync_client=True) as client:
         client.upsert_global_concurrency_limit_by_name(limit, parallel)
     logger.info("study %r (%d earlier trials) in %s; %d trial(s), %d at a time, %d core(s) each",
                 study_name, earlier, storage.split("@")[-1], trials, parallel, cpus)
-    # each trial's sampler gets its own seed (the same seed in every trial would suggest the same settings)
-    futures = [run_trial.submit(config, space, study_name, storage, sampler, pruner, None if seed is None else seed + earlier + slot,
-                                parent, cpus, limit, slot) for slot in range(trials)]
+    futures = [run_trial.submit(config, space, study_name, storage, sampler, pruner, seed, parent, cpus, limit, slot)
+               for slot in range(trials)]
     results = [f.result() for f in futures]
     finished = open_study(study_name, storage, sampler, pruner, space, seed)
     rows = log_sweep_summary(finished, parent["run_id"])

@@ -81,7 +81,8 @@ def _error_summary(tail: list[str]) -> str:
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is not None:
         return
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+    # torchrun gives its workers 30 s to stop after SIGTERM before it kills them: wait longer than that
+    for sig, wait in ((signal.SIGTERM, 40), (signal.SIGKILL, 5)):
         try:
             os.killpg(proc.pid, sig)
             proc.wait(timeout=wait)
@@ -92,12 +93,14 @@ def _stop(proc: subprocess.Popen) -> None:
             return
 
 
-def launch_training(job: WorkerJob, on_epoch: Callable[[int, dict], bool] | None = None, cpus: int | None = None) -> dict:
+def launch_training(job: WorkerJob, on_epoch: Callable[[int, dict], bool] | None = None, cpus: int | None = None,
+                    gpus: list[int] | None = None) -> dict:
     """Run the worker under torchrun and return its result.json; a failure raises with the worker's error.
 
     ``on_epoch(epoch, metrics)`` sees each epoch's validation metrics as they come; when it returns True the
     whole process group is ended and ``{"stopped_by": "on_epoch", ...}`` returned (a sweep's pruner).
-    ``cpus``: the CPU cores this job may use (default all), shared out as threads among its processes.
+    ``cpus``: the CPU cores this job may use (default all), shared out as threads among its processes;
+    ``gpus``: the GPUs it may use (CUDA_VISIBLE_DEVICES; default all).
     """
     logger = get_run_logger()
     nproc = resolve_nproc(job.train.nproc)
@@ -112,6 +115,8 @@ def launch_training(job: WorkerJob, on_epoch: Callable[[int, dict], bool] | None
                TORCHELASTIC_ERROR_FILE=str(error_file))
     if job.mlflow_run_id:
         env["MLFLOW_RUN_ID"] = job.mlflow_run_id
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     if available_devices()[0] == "cpu":
         env["OMP_NUM_THREADS"] = str(max(1, (cpus or os.cpu_count() or 1) // nproc))
     logger.info("launching: %s", " ".join(cmd))
@@ -125,7 +130,11 @@ def launch_training(job: WorkerJob, on_epoch: Callable[[int, dict], bool] | None
         for line in proc.stdout:
             line = line.rstrip()
             if line.startswith(EPOCH_MARKER):
-                history.append(json.loads(line[len(EPOCH_MARKER):]))
+                try:
+                    history.append(json.loads(line[len(EPOCH_MARKER):]))
+                except ValueError:  # interleaved with another process's output: log it, carry on
+                    logger.info(line)
+                    continue
                 if on_epoch is not None and on_epoch(history[-1]["epoch"], history[-1]):
                     logger.info("%s: stopped after epoch %d (pruned by the sweep)", job.stage, history[-1]["epoch"])
                     _stop(proc)

@@ -35,7 +35,7 @@ def _val_macro_f1(model, cfg, prepared: dict, config: PipelineConfig) -> float:
 
 @task(name="prune-round")
 def prune_round(config: PipelineConfig, checkpoint: str, prepared: dict, prune_parent: dict, round_no: int, amount: float,
-                cpus: int | None = None) -> dict:
+                cpus: int | None = None, gpus: list[int] | None = None) -> dict:
     """Prune ``checkpoint`` to the cumulative ``amount``, fine-tune it with the DDP worker (on ``cpus`` cores, default
     all), measure the result."""
     p = config.prune
@@ -56,7 +56,7 @@ def prune_round(config: PipelineConfig, checkpoint: str, prepared: dict, prune_p
             train_cfg = config.train.model_copy(update={"epochs": p.finetune_epochs, "lr": p.finetune_lr,
                                                         "patience": p.finetune_epochs})
             tuned = launch_worker(stage, config, prepared, run.info.run_id, out / "finetune", train=train_cfg, model=new_cfg,
-                                  init_checkpoint=str(pruned), keep_sparsity=p.method != "structured", cpus=cpus)
+                                  init_checkpoint=str(pruned), keep_sparsity=p.method != "structured", cpus=cpus, gpus=gpus)
             result = {"checkpoint": tuned["best_checkpoint"], "best_val_macro_f1": tuned["best_val_macro_f1"], "finetuned": True}
         measured = measure_checkpoint(result["checkpoint"], prepared["path"], config.preprocess.max_len, p.latency_threads)
         mlflow.log_metrics(measured | {"val_macro_f1": result["best_val_macro_f1"]})

@@ -48,7 +48,7 @@ def _requirements(config: PipelineConfig) -> list[str]:
 def _champion_f1_on(client: MlflowClient, name: str, version, prepared: dict, digest: str) -> float:
     if version.tags.get(SPLIT_TAG) == digest and F1_TAG in version.tags:
         return float(version.tags[F1_TAG])
-    test = pd.read_json(Path(prepared["path"]) / "test.jsonl", lines=True)
+    test = pd.read_json(Path(prepared["path"]) / "test.jsonl", lines=True, dtype=False)  # labels "0"/"1" stay strings
     predicted = mlflow.pyfunc.load_model(f"models:/{name}/{version.version}").predict(test[["text"]])
     return float(f1_score(test["label"], predicted["label"], average="macro"))
 

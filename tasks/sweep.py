@@ -7,9 +7,12 @@ macro-F1 goes to the study's pruner, and a hopeless trial's process group is end
 from __future__ import annotations
 
 import os
+import queue
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import mlflow
 import optuna
@@ -38,9 +41,17 @@ def study_storage() -> str:
     return f"sqlite:///{work_root() / 'optuna.db'}"
 
 
+class _GridSampler(optuna.samplers.GridSampler):
+    """GridSampler without its ``study.stop()`` once the grid is used up: that only works inside ``optimize()``
+    (trials here are asked and told), and the flow already runs no more trials than grid points."""
+
+    def after_trial(self, study, trial, state, values) -> None:
+        pass
+
+
 def make_sampler(name: str, space: dict, seed: int | None) -> optuna.samplers.BaseSampler:
     if name == "grid":
-        return optuna.samplers.GridSampler(grid(space), seed=seed)
+        return _GridSampler(grid(space), seed=seed)
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     return optuna.samplers.TPESampler(seed=seed)
@@ -71,13 +82,53 @@ def recover_interrupted(study: optuna.Study) -> list[int]:
     return redo
 
 
+_GPU_POOLS: dict[str, queue.Queue] = {}  # per sweep: the GPU slices its parallel trials take turns on
+
+
+def gpu_slices(n_gpus: int, parallel: int) -> list[list[int]]:
+    """``parallel`` disjoint slices of the GPUs (trials share GPUs only when there are more trials than GPUs)."""
+    if n_gpus == 0:
+        return []
+    per = max(1, n_gpus // parallel)
+    return [[(i * per + j) % n_gpus for j in range(per)] for i in range(parallel)]
+
+
+def share_gpus(limit: str, parallel: int) -> int | None:
+    """Set up the GPU pool of a sweep; the processes each trial gets (None on a CPU machine)."""
+    import torch
+
+    slices = gpu_slices(torch.cuda.device_count() if torch.cuda.is_available() else 0, parallel)
+    if not slices:
+        return None
+    pool: queue.Queue = queue.Queue()
+    for piece in slices:
+        pool.put(piece)
+    _GPU_POOLS[limit] = pool
+    return len(slices[0])
+
+
+@contextmanager
+def _gpus(limit: str) -> Iterator[list[int] | None]:
+    pool = _GPU_POOLS.get(limit)
+    if pool is None:
+        yield None
+        return
+    piece = pool.get()
+    try:
+        yield piece
+    finally:
+        pool.put(piece)
+
+
 @task(name="trial", task_run_name="trial-{slot}")
 def run_trial(base: PipelineConfig, space: dict, study_name: str, storage: str, sampler: str, pruner: str,
               seed: int | None, sweep: dict, cpus: int, limit: str, slot: int) -> dict:
     """Ask the study for settings, train (pruned early if hopeless), prune the model if asked, tell the study."""
     logger = get_run_logger()
-    with concurrency(limit, occupy=1):  # at most --parallel trials at once, across every process on this server
-        study = open_study(study_name, storage, sampler, pruner, space, seed)
+    with concurrency(limit, occupy=1), _gpus(limit) as gpus:  # at most --parallel trials at once, on this server
+        # the sampler's seed follows the study's trial count: one trial at a time, the same seed repeats the sweep
+        done = len(optuna.load_study(study_name=study_name, storage=storage).trials)
+        study = open_study(study_name, storage, sampler, pruner, space, None if seed is None else seed + done)
         trial = study.ask()
         params = suggest(trial, space)
         client = MlflowClient()
@@ -89,16 +140,19 @@ def run_trial(base: PipelineConfig, space: dict, study_name: str, storage: str, 
         summary = {"number": trial.number, "run_id": run.info.run_id, "params": params}
 
         def finish(state: str, value: float | None = None, reason: str = "") -> dict:
-            if state == "complete":
-                study.tell(trial, value)
-            else:
-                study.tell(trial, state=optuna.trial.TrialState.PRUNED if state == "pruned" else optuna.trial.TrialState.FAIL)
+            try:
+                if state == "complete":
+                    study.tell(trial, value)
+                else:
+                    study.tell(trial, state=optuna.trial.TrialState.PRUNED if state == "pruned" else optuna.trial.TrialState.FAIL,
+                               skip_if_finished=True)
+            finally:
+                client.set_terminated(run.info.run_id, {"complete": "FINISHED", "pruned": "KILLED"}.get(state, "FAILED"))
             client.set_tag(run.info.run_id, TRIAL_STATE_TAG, state)
             if reason:
                 client.set_tag(run.info.run_id, "zhflow.failure" if state == "failed" else "zhflow.pruned_reason", reason[:4000])
             seconds = time.perf_counter() - started
             client.log_metric(run.info.run_id, "trial_seconds", seconds)
-            client.set_terminated(run.info.run_id, {"complete": "FINISHED", "pruned": "KILLED"}.get(state, "FAILED"))
             logger.info("trial %d %s%s in %.0fs: %s", trial.number, state, f" ({value:.4f})" if value is not None else "",
                         seconds, reason or params)
             return {**summary, "state": state, "value": value, "seconds": seconds, "reason": reason}
@@ -121,7 +175,7 @@ def run_trial(base: PipelineConfig, space: dict, study_name: str, storage: str, 
 
             with stage_run(trial_run, "train") as train_run:
                 trained = launch_worker("train", config, prepared, train_run.info.run_id, Path(trial_run["work_dir"]) / "train",
-                                        on_epoch=report, cpus=cpus)
+                                        on_epoch=report, cpus=cpus, gpus=gpus)
                 if trained.get("stopped_by"):
                     mlflow.set_tag(TRIAL_STATE_TAG, "pruned")
             client.log_metric(run.info.run_id, "epochs_run", trained["epochs_run"])
@@ -131,8 +185,8 @@ def run_trial(base: PipelineConfig, space: dict, study_name: str, storage: str, 
             checkpoint, value = trained["best_checkpoint"], trained["best_val_macro_f1"]
             if config.prune.amount > 0:
                 for round_no, amount in enumerate(config.prune.round_amounts(), 1):
-                    done = prune_round(config, checkpoint, prepared, trial_run, round_no, amount, cpus=cpus)
-                    checkpoint, value = done["checkpoint"], done["best_val_macro_f1"]
+                    pruned = prune_round(config, checkpoint, prepared, trial_run, round_no, amount, cpus=cpus, gpus=gpus)
+                    checkpoint, value = pruned["checkpoint"], pruned["best_val_macro_f1"]
             client.log_metric(run.info.run_id, "best_val_macro_f1", value)
             client.set_tag(run.info.run_id, "checkpoint", checkpoint)
             trial.set_user_attr("checkpoint", checkpoint)  # so that a later sweep of the same study can pick it

@@ -13,10 +13,10 @@ from tasks.tracking import stage_run
 
 
 def launch_worker(stage: str, config: PipelineConfig, prepared: dict, run_id: str, out_dir: str | Path,
-                  on_epoch=None, cpus: int | None = None, **job_fields) -> dict:
+                  on_epoch=None, cpus: int | None = None, gpus: list[int] | None = None, **job_fields) -> dict:
     """Run the DDP worker for ``stage`` under torchrun; rank 0 logs into MLflow run ``run_id`` (the active one).
 
-    ``on_epoch`` and ``cpus``: see tasks.launch.launch_training (a sweep's pruner, a parallel trial's CPU share).
+    ``on_epoch``, ``cpus``, ``gpus``: see tasks.launch.launch_training (a sweep's pruner, a parallel trial's share).
     """
     train_cfg = job_fields.pop("train", config.train)
     model_cfg = job_fields.pop("model", config.model)
@@ -24,7 +24,7 @@ def launch_worker(stage: str, config: PipelineConfig, prepared: dict, run_id: st
     job = WorkerJob(stage=stage, prepared_dir=prepared["path"], out_dir=str(out_dir), model=model_cfg, train=train_cfg,
                     max_len=config.preprocess.max_len, mlflow_run_id=run_id, **job_fields)
     mlflow.log_params(flatten(model_cfg, "model.") | flatten(train_cfg, "train.") | {"nproc_resolved": nproc})
-    result = launch_training(job, on_epoch=on_epoch, cpus=cpus)
+    result = launch_training(job, on_epoch=on_epoch, cpus=cpus, gpus=gpus)
     if result.get("stopped_by"):
         return {**result, "run_id": run_id}
     mlflow.log_artifact(result["best_checkpoint"], "checkpoint")

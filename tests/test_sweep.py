@@ -38,6 +38,10 @@ def test_default_space_is_valid_and_samples_valid_configs():
     ({"train.batch_size": {"choices": [0, 32]}}, "0 is not a valid value"),
     ({"model.name": {"choices": ["gpt"]}}, "'gpt' is not a valid value"),
     ({"model.name": {"choices": []}}, "non-empty list"),
+    ({1: {"choices": [1]}}, "setting names are text"),
+    ({"train.lr": {"low": 0.001, "high": 0.01, "log": True, "step": 0.001}}, "cannot go with log"),
+    ({"model.num_filters": {"low": 10, "high": 100, "step": 0}}, "step must be a positive number"),
+    ({"model.kernel_sizes": {"choices": [[2, 3], [3, 4]]}}, "plain values"),
 ])
 def test_bad_spaces_name_the_setting(space, message):
     with pytest.raises(SpaceError, match=message):
@@ -50,8 +54,11 @@ def test_space_files_and_grid(tmp_path):
     space = load_space(path)
     assert grid(space) == {"model.num_filters": [50, 100, 150], "train.lr": [0.001, 0.003]}
     (tmp_path / "bad.yaml").write_text("train.lr: {low: [\n", encoding="utf-8")
-    with pytest.raises(SpaceError, match="bad.yaml: not valid YAML"):
+    with pytest.raises(SpaceError, match="bad.yaml: not valid UTF-8 YAML"):
         load_space(tmp_path / "bad.yaml")
+    (tmp_path / "gbk.yaml").write_bytes("train.lr: [0.001]  # 学习率\n".encode("gbk"))
+    with pytest.raises(SpaceError, match="gbk.yaml: not valid UTF-8"):
+        load_space(tmp_path / "gbk.yaml")
     with pytest.raises(SpaceError, match="grid sampler needs choices"):
         grid(check_space({"train.lr": {"low": 0.001, "high": 0.01}}))
     with pytest.raises(SpaceError, match="no such file"):
@@ -191,6 +198,16 @@ def _serve_and_post(model_uri: str, tmp_path) -> None:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
         log.close()
+
+
+def test_gpu_slices():
+    """What each parallel trial gets on a GPU machine (the slicing only: no GPU here)."""
+    from tasks.sweep import gpu_slices
+
+    assert gpu_slices(0, 2) == []
+    assert gpu_slices(4, 2) == [[0, 1], [2, 3]]
+    assert gpu_slices(2, 2) == [[0], [1]]
+    assert gpu_slices(1, 3) == [[0], [0], [0]]  # more trials than GPUs: they share
 
 
 def test_trials_left_running_by_an_interrupted_sweep_are_redone_first(tmp_path):

@@ -5,8 +5,8 @@ holds (step, epoch). Writes go to a temporary file in the same folder, are
 fsynced, then renamed, so a crash mid-write leaves the previous file intact.
 Loads use ``weights_only=True``: a checkpoint cannot run code.
 
-The model weights (the ``model`` entry) are stored compressed where pruning left zeros: a tensor with at
-least 5% zeros is kept as a bitmap of its non-zeros plus their values, so an 80% sparse model takes
+The model weights (the ``model`` entry) are stored compressed where pruning left zeros: a tensor with enough
+zeros to save space is kept as a bitmap of its non-zeros plus their values, so an 80% sparse model takes
 about a quarter of the space. Loading gives back the ordinary dense state dict.
 """
 
@@ -48,7 +48,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 PACKED = "zhflow.bitmap.v1"
-MIN_ZERO_SHARE = 0.05  # below this the bitmap (1 bit per weight) costs more than the zeros it saves
+MIN_SAVING = 0.02  # pack a tensor only when the bitmap + values are at least 2% smaller than the dense tensor
 
 
 def pack_tensor(t: torch.Tensor) -> torch.Tensor | dict:
@@ -56,8 +56,9 @@ def pack_tensor(t: torch.Tensor) -> torch.Tensor | dict:
     if not t.is_floating_point() or t.numel() < 64:
         return t
     nonzero = t != 0
-    if 1 - nonzero.float().mean().item() < MIN_ZERO_SHARE:
-        return t
+    kept = int(nonzero.sum())
+    if t.numel() / 8 + kept * t.element_size() > (1 - MIN_SAVING) * t.numel() * t.element_size():
+        return t  # the bitmap (1 bit per weight) would not save enough
     bits = np.packbits(nonzero.cpu().numpy().ravel())
     return {PACKED: True, "shape": list(t.shape), "bits": torch.from_numpy(bits), "values": t[nonzero].clone()}
 

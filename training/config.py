@@ -235,7 +235,7 @@ class PruneConfig(_Section):
         return v
 
     def round_amounts(self) -> list[float]:
-        """Cumulative amount after each round: ``[0.35, 0.49, 0.5]`` for amount 0.5 in 3 cubic rounds."""
+        """Cumulative amount after each round: ``[0.352, 0.481, 0.5]`` for amount 0.5 in 3 cubic rounds."""
         k = self.rounds
         if self.schedule == "linear":
             return [self.amount * (i + 1) / k for i in range(k)]

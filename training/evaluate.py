@@ -45,11 +45,14 @@ def open_split(prepared_dir, split: str, model_cfg, max_len: int) -> EncodedSpli
 
 def load_model(checkpoint: str):
     """A model rebuilt from a verified checkpoint (architecture and vocabulary sizes travel inside)."""
-    from training.checkpoint import load_checkpoint
+    from training.checkpoint import CheckpointError, load_checkpoint
     from training.config import ModelConfig
     from training.models import build_model
 
     state = load_checkpoint(checkpoint)
+    if any(k.split(".")[2:4] == ["encoder", "layers"] for k in state["model"]):
+        raise CheckpointError(f"{checkpoint}: a transformer saved by zhflow before 0.2 (nn.TransformerEncoder layers); "
+                              "its layers are now written out so that pruning can shrink them: retrain it")
     cfg = ModelConfig.model_validate(state["model_config"])
     model = build_model(cfg, state["vocab_sizes"], state["num_classes"])
     model.load_state_dict(state["model"])

@@ -11,6 +11,7 @@ is measured in bench/), after warm-up, on a fixed number of CPU threads, one tim
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -22,33 +23,39 @@ from training.models import min_input_len
 from training.prune import sparsity
 
 BATCH_SIZES = (1, 64)
+_THREADS = threading.Lock()  # torch's thread count is per process: parallel sweep trials measure one at a time
 
 
 @torch.inference_mode()
 def latency(model: torch.nn.Module, split: EncodedSplit, min_len: int, threads: int = 1,
             batch_sizes: tuple[int, ...] = BATCH_SIZES, timings: int = 60, warmup: int = 10) -> dict[str, float]:
     """p50 and p95 milliseconds per batch for each batch size, over ``timings`` batches of real texts."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
     model.eval()
     out = {}
-    try:
-        for size in batch_sizes:
-            n_batches = max(1, min(timings, len(split) // size))
-            batches = [pad_batch([split[(i * size + j) % len(split)] for j in range(size)], min_len=min_len)[0]
-                       for i in range(n_batches)]
-            for i in range(warmup):
-                model(batches[i % len(batches)])
-            times = []
-            for i in range(max(timings, len(batches))):
-                start = time.perf_counter()
-                model(batches[i % len(batches)])
-                times.append(1000 * (time.perf_counter() - start))
-            out[f"latency_b{size}_p50_ms"] = float(np.percentile(times, 50))
-            out[f"latency_b{size}_p95_ms"] = float(np.percentile(times, 95))
-    finally:
-        torch.set_num_threads(previous)
+    with _THREADS:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            for size in batch_sizes:
+                times = _timings(model, split, min_len, size, timings, warmup)
+                out[f"latency_b{size}_p50_ms"] = float(np.percentile(times, 50))
+                out[f"latency_b{size}_p95_ms"] = float(np.percentile(times, 95))
+        finally:
+            torch.set_num_threads(previous)
     return out
+
+
+def _timings(model, split: EncodedSplit, min_len: int, size: int, timings: int, warmup: int) -> list[float]:
+    n_batches = max(1, min(timings, len(split) // size))
+    batches = [pad_batch([split[(i * size + j) % len(split)] for j in range(size)], min_len=min_len)[0] for i in range(n_batches)]
+    for i in range(warmup):
+        model(batches[i % len(batches)])
+    times = []
+    for i in range(max(timings, len(batches))):
+        start = time.perf_counter()
+        model(batches[i % len(batches)])
+        times.append(1000 * (time.perf_counter() - start))
+    return times
 
 
 def measure_checkpoint(checkpoint: str, prepared_dir: str, max_len: int, threads: int = 1, split: str = "test") -> dict[str, float]:

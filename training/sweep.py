@@ -58,6 +58,8 @@ def check_space(space: dict[str, Any], source: str = "search space") -> dict[str
         raise SpaceError(f"{source}: expected a mapping of settings to {{choices: [...]}} or {{low, high}}, got {space!r}")
     out = {}
     for name, spec in space.items():
+        if not isinstance(name, str):
+            raise SpaceError(f"{source}: {name!r}: setting names are text such as train.lr")
         _field(name)
         where = f"{source}: {name}"
         if isinstance(spec, list):
@@ -68,6 +70,8 @@ def check_space(space: dict[str, Any], source: str = "search space") -> dict[str
             if set(spec) != {"choices"} or not isinstance(spec["choices"], list) or not spec["choices"]:
                 raise SpaceError(f"{where}: choices must be a non-empty list (and alone), got {spec!r}")
             samples = spec["choices"]
+            if not all(v is None or isinstance(v, (str, int, float, bool)) for v in samples):
+                raise SpaceError(f"{where}: choices must be plain values (text, numbers, true/false), got {samples!r}")
         else:
             unknown = set(spec) - {"low", "high", "log", "step"}
             if unknown or "low" not in spec or "high" not in spec:
@@ -77,6 +81,8 @@ def check_space(space: dict[str, Any], source: str = "search space") -> dict[str
                 raise SpaceError(f"{where}: low must be a number below high, got low={low!r} high={high!r}")
             if spec.get("log") and low <= 0:
                 raise SpaceError(f"{where}: a log range needs low > 0, got {low!r}")
+            if "step" in spec and (spec.get("log") or not isinstance(spec["step"], (int, float)) or not spec["step"] > 0):
+                raise SpaceError(f"{where}: step must be a positive number, and cannot go with log, got {spec!r}")
             samples = [low, high]
         for value in samples:  # the setting's own validation, naming the setting
             try:
@@ -94,11 +100,11 @@ def load_space(path: str | Path) -> dict[str, dict]:
     path = Path(path)
     if not path.is_file():
         raise SpaceError(f"search space {str(path)!r}: no such file")
-    text = path.read_text(encoding="utf-8")
     try:
+        text = path.read_text(encoding="utf-8")
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as err:
-        raise SpaceError(f"search space {path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {err}") from None
+    except (ValueError, yaml.YAMLError) as err:  # UnicodeDecodeError is a ValueError
+        raise SpaceError(f"search space {path}: not valid UTF-8 {'JSON' if path.suffix == '.json' else 'YAML'}: {err}") from None
     return check_space(data, str(path))
 
 
