@@ -15,10 +15,11 @@ def test_quick_bench_writes_every_section(tmp_path):
     out = tmp_path / "BENCHMARKS.md"
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}", ZHFLOW_HOME=str(tmp_path / "home"))
     run = subprocess.run([sys.executable, "-m", "bench", "--quick", "--repeats", "1", "--out", str(out)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = out.read_text(encoding="utf-8")
-    for heading in ("## Preprocessing", "## Training throughput", "## Quality and leakage", "## Pruning", "## Sweeps"):
+    for heading in ("## Preprocessing", "## Training throughput", "## Quality and leakage", "## Pruning", "## Tracking cost",
+                    "## Sweeps"):
         assert heading in report
     assert "Machine:" in report and report.count("**met**") + report.count("**missed**") >= 8
     assert "TF-IDF char 1-3 grams + linear SVM" in report and "inflation" in report
