@@ -13,11 +13,11 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench import preprocess, pruning, quality, sweeps, tracking, training
+from bench import orchestration, preprocess, pruning, quality, sweeps, tracking, training
 from bench.common import machine
 
 SECTIONS = {"preprocess": preprocess.run, "training": training.run, "quality": quality.run, "pruning": pruning.run,
-            "tracking": tracking.run, "sweeps": sweeps.run}  # in this order
+            "orchestration": orchestration.run, "tracking": tracking.run, "sweeps": sweeps.run}  # in this order
 
 
 def main(argv: list[str] | None = None) -> int:

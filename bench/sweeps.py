@@ -34,7 +34,7 @@ def _sweep(config, pruner: str, tmp: Path, trials: int) -> dict:
 def run(quick: bool, repeats: int) -> str:
     from prefect.testing.utilities import prefect_test_harness
 
-    trials = 3 if quick else TRIALS
+    trials = 2 if quick else TRIALS
     config = preset("tiny") if quick else apply_overrides(preset("default"), ["data.max_samples=4000"])
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry from the temporary server
     saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "ZHFLOW_HOME")}

@@ -268,6 +268,8 @@ def evaluate_command(args: argparse.Namespace) -> int:
 def _quiet_env() -> None:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry from the temporary server
+    # the temporary server gets 20 s to start by default: too little on a busy 2-core machine
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
 def _mlflow_ui() -> str:
