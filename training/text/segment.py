@@ -17,6 +17,7 @@ import logging
 import multiprocessing as mp
 import os
 import re
+import signal
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
@@ -130,11 +131,20 @@ class Segmenter:
                     out.extend(_segment_chunk(chunk))
                     advance(len(chunk[1]))
             else:
-                with _pool_context(self).Pool(num_workers) as pool:
+                with _pool_context(self).Pool(num_workers, initializer=_child_signals) as pool:
                     for chunk, result in zip(chunks, pool.imap(_segment_chunk, chunks)):
                         out.extend(result)
                         advance(len(chunk[1]))
+                    pool.close()  # let the workers finish and exit: no SIGTERM to them on the way out
+                    pool.join()
         return out
+
+
+def _child_signals() -> None:
+    """A forked worker keeps the parent's Python signal handlers (Prefect's, for one): give SIGTERM and SIGINT back
+    their defaults, so the pool can always end its workers."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which ends the pool
 
 
 def _pool_context(segmenter: Segmenter):
