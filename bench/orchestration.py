@@ -20,14 +20,11 @@ PY = sys.executable
 def direct(tmp: str) -> None:
     """The tiny pipeline's work with no Prefect, no MLflow, no torchrun: prepare, train, evaluate, prune,
     fine-tune, evaluate, baseline; the worker runs in this process."""
-    from sklearn.metrics import f1_score
-
     from training.baseline import fit_baseline
     from training.checkpoint import save_checkpoint
     from training.config import WorkerJob, tiny
     from training.data.prepare import prepare_dataset
-    from training.evaluate import load_model, open_split, predict_proba
-    from training.models import min_input_len
+    from training.evaluate import load_model, split_macro_f1
     from training.prune import prune
     from training.worker import main as worker
 
@@ -42,8 +39,7 @@ def direct(tmp: str) -> None:
 
     def evaluate(checkpoint: str) -> float:
         model, model_cfg, _ = load_model(checkpoint)
-        test = open_split(root / "prepared", "test", model_cfg, cfg.preprocess.max_len)
-        return f1_score(test.labels, predict_proba(model, test, 256, min_input_len(model_cfg)).argmax(1), average="macro")
+        return split_macro_f1(model, model_cfg, root / "prepared", "test", cfg.preprocess.max_len)
 
     best = train("train", cfg.model, cfg.train)
     evaluate(best)

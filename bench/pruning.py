@@ -16,13 +16,12 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from sklearn.metrics import f1_score
 
 from bench.common import verdict
 from training.checkpoint import save_checkpoint
 from training.config import WorkerJob, preset
 from training.data.prepare import prepare_dataset
-from training.evaluate import load_model, open_split, predict_proba
+from training.evaluate import load_model, open_split, split_macro_f1
 from training.measure import latency
 from training.models import min_input_len
 from training.prune import prune, sparsity
@@ -48,8 +47,7 @@ def _worker(job: WorkerJob, out: Path) -> dict:
 
 def _test_f1(checkpoint: str, prepared: Path, max_len: int) -> float:
     model, cfg, _ = load_model(checkpoint)
-    test = open_split(prepared, "test", cfg, max_len)
-    return float(f1_score(test.labels, predict_proba(model, test, 256, min_input_len(cfg)).argmax(1), average="macro"))
+    return split_macro_f1(model, cfg, prepared, "test", max_len)
 
 
 def _schedule_note(results: dict, ref: dict) -> str:

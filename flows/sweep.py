@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Literal, Optional
 
@@ -58,10 +59,7 @@ def sweep(
         raise ValueError(f"trials and parallel must be at least 1, got trials={trials}, parallel={parallel}")
     space = check_space(space or DEFAULT_SPACE)
     if sampler == "grid":
-        size = 1
-        for values in grid(space).values():
-            size *= len(values)
-        trials = min(trials, size)
+        trials = min(trials, math.prod(len(values) for values in grid(space).values()))
     study_name = study or f"zhflow-{flow_run.id or 'local'}"
     storage = study_storage()
     cores = os.cpu_count() or 1

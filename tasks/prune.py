@@ -12,13 +12,11 @@ from pathlib import Path
 
 import mlflow
 from prefect import get_run_logger, task
-from sklearn.metrics import f1_score
 
 from training.checkpoint import save_checkpoint
 from training.config import PipelineConfig, flatten
-from training.evaluate import load_model, open_split, predict_proba
+from training.evaluate import load_model, split_macro_f1
 from training.measure import measure_checkpoint, plot_pruning_tradeoff
-from training.models import min_input_len
 from training.prune import prune
 from tasks.tracking import close_pipeline_run, stage_run
 from tasks.train import launch_worker
@@ -28,9 +26,7 @@ SUMMARY_KEYS = ("params", "nonzero_params", "sparsity_prunable", "file_bytes",
 
 
 def _val_macro_f1(model, cfg, prepared: dict, config: PipelineConfig) -> float:
-    val = open_split(prepared["path"], "val", cfg, config.preprocess.max_len)
-    probs = predict_proba(model, val, config.evaluate.batch_size, min_input_len(cfg))
-    return float(f1_score(val.labels, probs.argmax(1), average="macro"))
+    return split_macro_f1(model, cfg, prepared["path"], "val", config.preprocess.max_len, config.evaluate.batch_size)
 
 
 @task(name="prune-round")

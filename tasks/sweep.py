@@ -221,7 +221,7 @@ def log_sweep_summary(study: optuna.Study, run_id: str) -> list[dict]:
     """The trials table (MLflow table + markdown) and the optimisation-history plot on the sweep's parent run."""
     import pandas as pd
 
-    from training.metrics import _pyplot
+    from training.metrics import _pyplot, save_figure
 
     rows = trials_table(study)
     client = MlflowClient()
@@ -244,9 +244,7 @@ def log_sweep_summary(study: optuna.Study, run_id: str) -> list[dict]:
                     label="pruned (best epoch before it stopped)")
         ax.set(xlabel="trial", ylabel="validation macro-F1", title=f"sweep {study.study_name}: optimisation history")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(Path(tmp) / "optimization_history.png", dpi=110)
-        plt.close(fig)
+        save_figure(fig, Path(tmp) / "optimization_history.png")
         (Path(tmp) / "trials.md").write_text(_markdown(frame), encoding="utf-8")
         client.log_artifacts(run_id, tmp)
     return rows

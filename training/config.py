@@ -11,7 +11,6 @@ MLflow (flattened: ``train.lr``, ``prune.amount``).
 from __future__ import annotations
 
 import json
-import math
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -147,7 +146,7 @@ class ModelConfig(_Section):
 class TrainConfig(_Section):
     epochs: int = Field(5, ge=1, le=1000, title="Epochs", description="Maximum training epochs.")
     batch_size: int = Field(64, ge=1, le=65536, title="Batch size", description="Batch size per process.")
-    lr: float = Field(1e-3, gt=0, le=10, title="Learning rate", description="AdamW peak learning rate.")
+    lr: float = Field(1e-3, gt=0, le=10, allow_inf_nan=False, title="Learning rate", description="AdamW peak learning rate.")
     schedule: Literal["linear", "cosine", "constant"] = Field(
         "linear", title="LR schedule", description="After warm-up: linear or cosine decay to zero, or constant."
     )
@@ -186,13 +185,6 @@ class TrainConfig(_Section):
             raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
         return self
 
-    @field_validator("lr")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
-
 
 PRUNE_METHODS = ("global_unstructured", "l1_unstructured", "structured")
 
@@ -222,17 +214,10 @@ class PruneConfig(_Section):
                     "They hold most of the parameters of the default model.",
     )
     finetune_epochs: int = Field(1, ge=0, le=100, title="Fine-tune epochs", description="Epochs of fine-tuning after each pruning round (pruned weights stay zero).")
-    finetune_lr: float = Field(3e-4, gt=0, le=10, title="Fine-tune learning rate", description="Learning rate of the fine-tune.")
+    finetune_lr: float = Field(3e-4, gt=0, le=10, allow_inf_nan=False, title="Fine-tune learning rate", description="Learning rate of the fine-tune.")
     latency_threads: int = Field(
         1, ge=1, le=256, title="Latency threads", description="CPU threads used when measuring inference latency (fixed, so runs compare)."
     )
-
-    @field_validator("finetune_lr")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
 
     def round_amounts(self) -> list[float]:
         """Cumulative amount after each round: ``[0.352, 0.481, 0.5]`` for amount 0.5 in 3 cubic rounds."""

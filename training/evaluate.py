@@ -57,3 +57,13 @@ def load_model(checkpoint: str):
     model = build_model(cfg, state["vocab_sizes"], state["num_classes"])
     model.load_state_dict(state["model"])
     return model, cfg, state
+
+
+def split_macro_f1(model: nn.Module, model_cfg, prepared_dir, split: str, max_len: int, batch_size: int = 256) -> float:
+    """Macro-F1 of ``model`` on one prepared split."""
+    from sklearn.metrics import f1_score
+
+    from training.models import min_input_len
+
+    data = open_split(prepared_dir, split, model_cfg, max_len)
+    return float(f1_score(data.labels, predict_proba(model, data, batch_size, min_input_len(model_cfg)).argmax(1), average="macro"))

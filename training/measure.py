@@ -74,9 +74,7 @@ def plot_pruning_tradeoff(points: list[tuple[float, float, float, float]], path,
 
     ``points``: (amount, val macro-F1, latency b64 p50 ms, file bytes), the unpruned model at amount 0.
     """
-    from pathlib import Path
-
-    from training.metrics import _pyplot
+    from training.metrics import _pyplot, save_figure
 
     plt, _ = _pyplot([])
     points = sorted(points)
@@ -91,8 +89,4 @@ def plot_pruning_tradeoff(points: list[tuple[float, float, float, float]], path,
     for amount, f1, _, size in points:
         ax.annotate(f"{size / 1e3:.0f} kB", (100 * amount, f1), textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
     ax.set_title(title)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

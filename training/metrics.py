@@ -74,6 +74,17 @@ def _pyplot(labels: list[str]) -> tuple[object, list[str]]:
         return plt, [f"{i}" for i in range(len(labels))]  # the index -> name table is per_class_report.json
 
 
+def save_figure(fig, path: str | Path) -> Path:
+    """Lay out, write as PNG and close (pyplot keeps every open figure in memory)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_confusion_matrix(y_true: Sequence[int], y_pred: Sequence[int], labels: list[str], path: str | Path, title: str) -> Path:
     """Raw counts and row-normalised shares side by side, as a PNG."""
     plt, names = _pyplot(labels)
@@ -94,11 +105,7 @@ def plot_confusion_matrix(y_true: Sequence[int], y_pred: Sequence[int], labels: 
                 ax.text(j, i, format(data[i, j], fmt), ha="center", va="center",
                         color="white" if data[i, j] > threshold else "black")
     fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def binary_curves(y_true: Sequence[int], probs: np.ndarray, labels: list[str], path: str | Path, title: str) -> tuple[Path, dict]:
@@ -130,11 +137,7 @@ def binary_curves(y_true: Sequence[int], probs: np.ndarray, labels: list[str], p
     for ax in (roc, pr):
         ax.legend(loc="lower right" if ax is roc else "lower left")
     fig.suptitle(f"{title} (positive class: {names[1]})")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path, areas
+    return save_figure(fig, path), areas
 
 
 def confident_errors(texts: Sequence[str], y_true: Sequence[int], probs: np.ndarray, labels: list[str], k: int = 50) -> pd.DataFrame:
