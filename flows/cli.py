@@ -56,6 +56,11 @@ def _data_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    return build_parser()[0]
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    """The parser and its subcommands (deployments/cli.py adds deploy, serve and server)."""
     parser = argparse.ArgumentParser(prog="zhflow", description="Chinese text classification pipelines (Prefect + PyTorch DDP + MLflow).")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="preprocess -> DDP train -> evaluate -> baseline -> prune + fine-tune -> evaluate -> register",
@@ -121,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("texts", nargs="*", help="texts to classify")
     pr.add_argument("--input", type=Path, help="a UTF-8 (or GB18030) file with one text per line")
     pr.add_argument("--json-out", type=Path, help="write one JSON object per text (label, probabilities) here")
-    return parser
+    return parser, sub
 
 
 def sweep_command(args: argparse.Namespace, config: PipelineConfig) -> int:
@@ -329,7 +334,10 @@ def _print_summary(summary: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    return run_command(parser, parser.parse_args(argv))
+
+
+def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "evaluate":
         return evaluate_command(args)
     if args.command == "predict":

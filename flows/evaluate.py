@@ -6,10 +6,12 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 from prefect import flow
+from pydantic import Field, WithJsonSchema
 
+from training.config import DATASET_SCHEMA, ExperimentName
 from tasks.score import score_model
 from tasks.tracking import fail_open_runs
 
@@ -17,10 +19,10 @@ from tasks.tracking import fail_open_runs
 @flow(name="evaluate", flow_run_name="evaluate {model_uri}", log_prints=True,
       on_failure=[fail_open_runs], on_crashed=[fail_open_runs], on_cancellation=[fail_open_runs])
 def evaluate(
-    model_uri: str,
-    dataset: str,
+    model_uri: Annotated[str, Field(min_length=1)],
+    dataset: Annotated[str, WithJsonSchema(DATASET_SCHEMA)],
     label_map: Optional[dict[str, str]] = None,
-    experiment: str = "zhflow-evaluate",
+    experiment: ExperimentName = "zhflow-evaluate",
     text_column: str = "text",
     label_column: str = "label",
     text_columns: Optional[list[str]] = None,

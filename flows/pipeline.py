@@ -6,15 +6,18 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from prefect import flow
 from prefect.runtime import flow_run
 
-from training.config import PipelineConfig, default
+from training.config import ExperimentName, PipelineConfig, PresetName, default, on_preset
 from tasks.baseline import baseline_model
 from tasks.evaluate import evaluate_model
 from tasks.preprocess import preprocess
 from tasks.prune import prune_report, prune_round
 from tasks.register import register_model
+from tasks.schedule import scheduled_slot, skipped
 from tasks.tracking import close_pipeline_run, fail_open_runs, open_pipeline_run, open_stage_run
 from tasks.train import train_model, with_limits
 
@@ -30,8 +33,19 @@ def _run_name() -> str:
 
 @flow(name="train_pipeline", flow_run_name=_run_name, log_prints=True,
       on_failure=[fail_open_runs], on_crashed=[fail_open_runs], on_cancellation=[fail_open_runs])
-def train_pipeline(config: PipelineConfig = default(), experiment: str = "zhflow") -> dict:
-    """Train, prune, fine-tune, evaluate and register a Chinese text classifier; every stage tracked in MLflow."""
+def train_pipeline(config: PipelineConfig = default(), experiment: ExperimentName = "zhflow",
+                   preset: Optional[PresetName] = None) -> dict:
+    """Train, prune, fine-tune, evaluate and register a Chinese text classifier; every stage tracked in MLflow.
+
+    Args:
+        config: Every setting of the run. With a preset, only the settings changed from their defaults here apply, on top of the preset.
+        experiment: MLflow experiment of the run (created if missing).
+        preset: Start from a preset: tiny (a 600-text subset, seconds), default (the whole corpus, minutes on a CPU), gpu (a wider model for a CUDA machine). Empty: the settings below as they are.
+    """
+    slot = scheduled_slot()
+    if slot["superseded"]:
+        return skipped(slot)
+    config = on_preset(config, preset)
     parent = open_pipeline_run(config, experiment)
     prepared = preprocess(config.data, config.preprocess, config.augment, parent)
     trained = with_limits(train_model, config.train)(config, prepared, parent)
@@ -46,7 +60,7 @@ def train_pipeline(config: PipelineConfig = default(), experiment: str = "zhflow
             current = done["checkpoint"]
     evaluated = evaluate_model(config, current, prepared, parent, stage="evaluate")
     pruning = prune_report(config, trained, evaluated_trained, rounds, evaluated, prepared, prune_parent)
-    model = register_model(config, evaluated, prepared, parent)
+    model = register_model(config, evaluated, prepared, parent, slot=slot["key"])
     metrics = (evaluated["metrics"] | {f"trained_{k}": v for k, v in evaluated_trained["metrics"].items()}
                | {f"baseline_{k}": v for k, v in baseline["metrics"].items()}
                | {f"prune_{k}": pruning["metrics"][k] for k in REPORTED})

@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 from prefect import flow, get_client, get_run_logger
+from pydantic import Field
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from training.config import PipelineConfig, default
+from training.config import ExperimentName, PipelineConfig, PresetName, default, on_preset
 from training.sweep import DEFAULT_SPACE, check_space, grid
 from tasks.baseline import baseline_model
 from tasks.evaluate import evaluate_model
 from tasks.register import register_model
+from tasks.schedule import scheduled_slot, skipped
 from tasks.sweep import log_sweep_summary, open_study, recover_interrupted, run_trial, share_gpus, study_storage
 from tasks.tracking import close_pipeline_run, fail_open_runs, open_pipeline_run
 
@@ -32,14 +34,15 @@ def _name() -> str:
       on_failure=[fail_open_runs], on_crashed=[fail_open_runs], on_cancellation=[fail_open_runs])
 def sweep(
     config: PipelineConfig = default(),
-    trials: int = 8,
+    trials: Annotated[int, Field(ge=1, le=10_000)] = 8,
     sampler: Literal["tpe", "random", "grid"] = "tpe",
     pruner: Literal["median", "successive_halving", "none"] = "median",
     space: Optional[dict[str, dict]] = None,
-    parallel: int = 1,
-    study: Optional[str] = None,
-    seed: Optional[int] = 13,
-    experiment: str = "zhflow-sweep",
+    parallel: Annotated[int, Field(ge=1, le=256)] = 1,
+    study: Optional[Annotated[str, Field(min_length=1, max_length=200)]] = None,
+    seed: Optional[Annotated[int, Field(ge=0, le=2**32 - 1)]] = 13,
+    experiment: ExperimentName = "zhflow-sweep",
+    preset: Optional[PresetName] = None,
 ) -> dict:
     """Search the settings with Optuna (bad trials stopped early), then evaluate and register the best model.
 
@@ -53,10 +56,15 @@ def sweep(
         study: Optuna study name; running again with the same name continues that study. Empty: a new study.
         seed: Seed of the sampler: with parallel 1, the same seed and space give the same suggestions.
         experiment: MLflow experiment of the sweep's runs.
+        preset: Start the trials from a preset (tiny, default, gpu); only the settings changed from their defaults in config apply on top. Empty: config as it is.
     """
     logger = get_run_logger()
     if trials < 1 or parallel < 1:
         raise ValueError(f"trials and parallel must be at least 1, got trials={trials}, parallel={parallel}")
+    slot = scheduled_slot()
+    if slot["superseded"]:
+        return skipped(slot)
+    config = on_preset(config, preset)
     space = check_space(space or DEFAULT_SPACE)
     if sampler == "grid":
         trials = min(trials, math.prod(len(values) for values in grid(space).values()))
@@ -94,7 +102,7 @@ def sweep(
     prepared = {"path": best.user_attrs["prepared"]}
     evaluated = evaluate_model(best_config, best.user_attrs["checkpoint"], prepared, parent, stage="evaluate")
     baseline = baseline_model(best_config, prepared, parent)
-    model = register_model(best_config, evaluated, prepared, parent)
+    model = register_model(best_config, evaluated, prepared, parent, slot=slot["key"])
     metrics = (evaluated["metrics"] | {f"baseline_{k}": v for k, v in baseline["metrics"].items()}
                | {f"trials_{k}": v for k, v in counts.items()} | {"best_val_macro_f1": best.value, "best_trial": best.number})
     close_pipeline_run(parent, metrics, {"model_version": model["version"], "alias": model["alias"], "best_trial": str(best.number),

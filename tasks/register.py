@@ -30,6 +30,7 @@ import training
 from training.config import PipelineConfig
 from training.data.prepare import load_manifest
 from training.inference import TextClassifier
+from tasks.schedule import SLOT_TAG
 from tasks.tracking import stage_run, work_root
 
 EXAMPLE = ["这本书非常好看，值得一读", "质量太差了，很失望"]
@@ -75,30 +76,43 @@ def registry_lock(name: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _move_alias_locked(client: MlflowClient, name: str, version: str, f1: float, digest: str, prepared: dict | None
+                       ) -> tuple[str, str, float | None]:
+    try:
+        champion = client.get_model_version_by_alias(name, "champion")
+    except MlflowException:
+        champion = None
+    champion_f1 = None
+    if champion is None:
+        alias, reason = "champion", "first model"
+    else:
+        champion_f1 = _champion_f1_on(client, name, champion, prepared, digest)
+        if f1 > champion_f1:
+            alias, reason = "champion", f"beats version {champion.version} ({f1:.4f} > {champion_f1:.4f})"
+        else:
+            alias, reason = "challenger", f"does not beat version {champion.version} ({f1:.4f} <= {champion_f1:.4f})"
+    client.set_registered_model_alias(name, alias, version)
+    return alias, reason, champion_f1
+
+
 def move_alias(client: MlflowClient, name: str, version: str, f1: float, digest: str, prepared: dict | None = None
                ) -> tuple[str, str, float | None]:
     """Give ``version`` the alias ``champion`` if it beats the champion's test macro-F1 on the same test split (or there
     is none), else ``challenger``; under the registry lock, so that the check and the move are one step."""
     with registry_lock(name):
-        try:
-            champion = client.get_model_version_by_alias(name, "champion")
-        except MlflowException:
-            champion = None
-        champion_f1 = None
-        if champion is None:
-            alias, reason = "champion", "first model"
-        else:
-            champion_f1 = _champion_f1_on(client, name, champion, prepared, digest)
-            if f1 > champion_f1:
-                alias, reason = "champion", f"beats version {champion.version} ({f1:.4f} > {champion_f1:.4f})"
-            else:
-                alias, reason = "challenger", f"does not beat version {champion.version} ({f1:.4f} <= {champion_f1:.4f})"
-        client.set_registered_model_alias(name, alias, version)
-    return alias, reason, champion_f1
+        return _move_alias_locked(client, name, version, f1, digest, prepared)
+
+
+def version_for_slot(client: MlflowClient, name: str, slot: str):
+    """The version a scheduled run already registered for this scheduled time, if any."""
+    found = client.search_model_versions(f"name = '{name}' and tags.`{SLOT_TAG}` = '{slot}'")
+    return found[0] if found else None
 
 
 @task(name="register")
-def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, parent: dict) -> dict:
+def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, parent: dict, slot: str | None = None) -> dict:
+    """Log the pyfunc model and register it. ``slot`` (a scheduled run's ``DEPLOYMENT@TIME``): a version already
+    registered for that slot (a retried or re-run scheduled run) is returned instead of registering a second one."""
     logger = get_run_logger()
     name = config.registry.model_name
     manifest = load_manifest(prepared["path"])
@@ -124,16 +138,24 @@ def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, pare
         info = mlflow.pyfunc.log_model(
             name="model", python_model=str(Path(training.__file__).parent / "pyfunc_model.py"), artifacts=artifacts, signature=signature, input_example=EXAMPLE,
             pip_requirements=_requirements(config), code_paths=[str(Path(training.__file__).parent)],
-            registered_model_name=name if config.registry.enabled else None,
         )
         result = {"name": name, "version": None, "uri": info.model_uri, "alias": None, "run_id": run.info.run_id}
         if not config.registry.enabled:
             return result
         client = MlflowClient()
-        version = info.registered_model_version
-        for key, value in {F1_TAG: f"{f1:.6f}", SPLIT_TAG: digest, "parent_run_id": parent["run_id"]}.items():
-            client.set_model_version_tag(name, str(version), key, value)
-        alias, reason, champion_f1 = move_alias(client, name, str(version), f1, digest, prepared)
+        tags = {F1_TAG: f"{f1:.6f}", SPLIT_TAG: digest, "parent_run_id": parent["run_id"]} | ({SLOT_TAG: slot} if slot else {})
+        with registry_lock(name):  # the slot check, the registration and the alias move are one step
+            earlier = version_for_slot(client, name, slot) if slot else None
+            if earlier is not None:
+                aliases = client.get_model_version(name, earlier.version).aliases
+                logger.warning("scheduled slot %s already registered %s version %s: not registering another", slot,
+                               name, earlier.version)
+                mlflow.set_tags({"registered_model": name, "model_version": earlier.version, "alias_reason": "slot already registered"})
+                return {**result, "version": str(earlier.version), "uri": f"models:/{name}/{earlier.version}",
+                        "alias": aliases[0] if aliases else None}
+            # waits until the version is READY, so no alias ever points at a version still being created
+            version = mlflow.register_model(info.model_uri, name, tags=tags).version
+            alias, reason, champion_f1 = _move_alias_locked(client, name, str(version), f1, digest, prepared)
         if champion_f1 is not None:
             mlflow.log_metric("champion_test_macro_f1", champion_f1)
         mlflow.set_tags({"registered_model": name, "model_version": str(version), "alias": alias, "alias_reason": reason})

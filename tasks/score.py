@@ -30,7 +30,7 @@ from prefect.runtime import flow_run
 
 from training.data.readers import RawDataset, decode, read_dataset
 from training.metrics import log_evaluation
-from tasks.tracking import PARENT_KIND_TAG, prefect_tags
+from tasks.tracking import PARENT_KIND_TAG, link_to_mlflow, metrics_artifact, prefect_tags
 
 REGISTERED_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))/?")
 LABEL_MAP_HELP = 'map them with --label-map FILE (or the flow\'s label_map): JSON {"dataset label": "model label"} or a two-column CSV'
@@ -154,6 +154,8 @@ def score_model(
                                  model_id=model.model_id, dataset=data)
         if model.name:
             client.set_model_version_tag(model.name, model.version, "last_evaluation_run_id", run.info.run_id)
+    link_to_mlflow(experiment_id, experiment, run.info.run_id)
+    metrics_artifact(experiment_id, experiment, run.info.run_id, metrics, {"model": model_uri, "dataset": raw.source})
     print(f"{model_uri} on {raw.source}: accuracy {metrics['test_accuracy']:.4f}, macro-F1 {metrics['test_macro_f1']:.4f} "
           f"over {len(raw.texts)} texts; MLflow run {run.info.run_id}")  # a log line in the flow (log_prints)
     return {"model_uri": model_uri, "model_name": model.name, "model_version": model.version, "run_id": run.info.run_id,

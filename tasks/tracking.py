@@ -12,11 +12,13 @@ import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+from urllib.parse import urlsplit, urlunsplit
 
 import mlflow
 from mlflow.entities import Param
 from mlflow.tracking import MlflowClient
 from prefect import get_run_logger, task
+from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.runtime import flow_run
 
 import training
@@ -30,6 +32,19 @@ FLOW_RUN_TAG = "prefect.flow_run_id"
 def work_root() -> Path:
     """Where prepared data and checkpoints go: $ZHFLOW_HOME, else ./.zhflow."""
     return Path(os.environ.get("ZHFLOW_HOME", ".zhflow")).resolve()
+
+
+def mlflow_ui_base() -> str:
+    """The MLflow UI's address: the tracking server itself, else $ZHFLOW_MLFLOW_UI_URL, else where `mlflow ui` serves."""
+    uri = mlflow.get_tracking_uri()
+    if uri.startswith(("http://", "https://")):
+        parts = urlsplit(uri)
+        return urlunsplit((parts.scheme, parts.hostname + (f":{parts.port}" if parts.port else ""), parts.path.rstrip("/"), "", ""))
+    return os.environ.get("ZHFLOW_MLFLOW_UI_URL", "http://127.0.0.1:5000").rstrip("/")
+
+
+def mlflow_run_url(experiment_id: str, run_id: str) -> str:
+    return f"{mlflow_ui_base()}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
 def git_commit() -> str | None:
@@ -67,7 +82,9 @@ def open_pipeline_run(config: PipelineConfig, experiment: str, kind: str = "trai
         client.log_batch(run.info.run_id, params=params[start : start + 100])
     work_dir = work_root() / "runs" / run.info.run_id
     work_dir.mkdir(parents=True, exist_ok=True)
-    get_run_logger().info("MLflow run %s in experiment %r at %s", run.info.run_id, experiment, mlflow.get_tracking_uri())
+    url = mlflow_run_url(experiment_id, run.info.run_id)
+    get_run_logger().info("MLflow run %s in experiment %r at %s: %s", run.info.run_id, experiment, mlflow.get_tracking_uri(), url)
+    link_to_mlflow(experiment_id, experiment, run.info.run_id)
     return {"run_id": run.info.run_id, "experiment_id": experiment_id, "experiment": experiment, "work_dir": str(work_dir)}
 
 
@@ -125,6 +142,27 @@ def close_pipeline_run(parent: dict, metrics: dict[str, float], tags: dict[str, 
     for key, value in (tags or {}).items():
         client.set_tag(parent["run_id"], key, str(value))
     client.set_terminated(parent["run_id"], "FINISHED")
+    metrics_artifact(parent["experiment_id"], parent["experiment"], parent["run_id"], metrics, tags)
+
+
+def link_to_mlflow(experiment_id: str, experiment: str, run_id: str) -> None:
+    """In a Prefect flow run: a link artifact to its MLflow run (the MLflow run carries the Prefect run's id and URL)."""
+    if flow_run.id:
+        create_link_artifact(mlflow_run_url(experiment_id, run_id), link_text=f"MLflow run {run_id} ({experiment})",
+                             key="mlflow-run", description="The MLflow run of this flow run: params, metrics, nested runs, model")
+
+
+def metrics_artifact(experiment_id: str, experiment: str, run_id: str, metrics: dict[str, float],
+                     tags: dict[str, str] | None = None) -> None:
+    """In a Prefect flow run: a markdown artifact with the final metrics table and a link to the MLflow run."""
+    if not flow_run.id:
+        return
+    rows = "\n".join(f"| {key} | {float(value):.4f} |" for key, value in sorted(metrics.items()))
+    extra = "\n".join(f"- **{key}**: {value}" for key, value in (tags or {}).items())
+    create_markdown_artifact(
+        f"## Metrics\n\n[MLflow run {run_id}]({mlflow_run_url(experiment_id, run_id)}) in experiment `{experiment}`\n\n"
+        f"{extra}\n\n| metric | value |\n|---|---|\n{rows}\n",
+        key="metrics", description="Final metrics of this run, as logged to MLflow")
 
 
 def fail_open_runs(flow, flow_run_obj, state) -> None:

