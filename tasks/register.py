@@ -109,6 +109,19 @@ def version_for_slot(client: MlflowClient, name: str, slot: str):
     return found[0] if found else None
 
 
+def _slot_taken(client: MlflowClient, name: str, slot: str | None, result: dict) -> dict | None:
+    """The result of registering in ``slot`` when a version already holds it (in the active register run)."""
+    earlier = version_for_slot(client, name, slot) if slot else None
+    if earlier is None:
+        return None
+    get_run_logger().warning("scheduled slot %s already registered %s version %s: not registering another", slot, name,
+                             earlier.version)
+    mlflow.set_tags({"registered_model": name, "model_version": str(earlier.version), "alias_reason": f"slot {slot} already registered"})
+    aliases = client.get_model_version(name, str(earlier.version)).aliases
+    return {**result, "name": name, "version": str(earlier.version), "uri": f"models:/{name}/{earlier.version}",
+            "alias": aliases[0] if aliases else None}
+
+
 @task(name="register")
 def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, parent: dict, slot: str | None = None) -> dict:
     """Log the pyfunc model and register it. ``slot`` (a scheduled run's ``DEPLOYMENT@TIME``): a version already
@@ -119,6 +132,8 @@ def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, pare
     digest = manifest["splits"]["test"]["content_digest"]
     f1 = evaluated["metrics"]["test_macro_f1"]
     with stage_run(parent, "register") as run, tempfile.TemporaryDirectory() as tmp:
+        if config.registry.enabled and (earlier := _slot_taken(MlflowClient(), name, slot, {"run_id": run.info.run_id})):
+            return earlier  # checked again under the lock below; this only saves logging a model for nothing
         meta = Path(tmp) / "meta.json"
         meta.write_text(json.dumps({"labels": manifest["labels"], "preprocess": config.preprocess.model_dump()},
                                    ensure_ascii=False))
@@ -145,14 +160,8 @@ def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, pare
         client = MlflowClient()
         tags = {F1_TAG: f"{f1:.6f}", SPLIT_TAG: digest, "parent_run_id": parent["run_id"]} | ({SLOT_TAG: slot} if slot else {})
         with registry_lock(name):  # the slot check, the registration and the alias move are one step
-            earlier = version_for_slot(client, name, slot) if slot else None
-            if earlier is not None:
-                aliases = client.get_model_version(name, earlier.version).aliases
-                logger.warning("scheduled slot %s already registered %s version %s: not registering another", slot,
-                               name, earlier.version)
-                mlflow.set_tags({"registered_model": name, "model_version": earlier.version, "alias_reason": "slot already registered"})
-                return {**result, "version": str(earlier.version), "uri": f"models:/{name}/{earlier.version}",
-                        "alias": aliases[0] if aliases else None}
+            if earlier := _slot_taken(client, name, slot, result):
+                return earlier
             # waits until the version is READY, so no alias ever points at a version still being created
             version = mlflow.register_model(info.model_uri, name, tags=tags).version
             alias, reason, champion_f1 = _move_alias_locked(client, name, str(version), f1, digest, prepared)

@@ -1,16 +1,100 @@
-from deployments.serve import nightly_retrain
+"""The deployments as users meet them: the Prefect UI's run form (parameter schema), the schedules, the
+missed-runs policy against a real (ephemeral) Prefect server."""
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from deployments.definitions import deployments, evaluate_champion, nightly_retrain, weekly_sweep
+from training.config import BUILTIN_DATASETS, PRUNE_METHODS
 
 
-def test_nightly_retrain_form_is_described():
-    """The Prefect UI draws the run form from this schema: sections and fields carry titles and help."""
-    deployment = nightly_retrain()
-    schema = deployment._parameter_openapi_schema.model_dump()
-    assert set(schema["properties"]) == {"config", "experiment"}
-    defs = schema["definitions"]
-    for section in ("DataConfig", "TrainConfig", "PruneConfig"):
-        for name, field in defs[section]["properties"].items():
-            assert field.get("title") and field.get("description"), f"{section}.{name}"
-    family = defs["ModelConfig"]["properties"]["name"]
-    assert family["enum"] == ["textcnn", "bilstm", "transformer"]  # a choice, not free text
-    assert deployment.schedules[0].schedule.cron == "0 2 * * *"
-    assert deployment.parameters["config"]["train"]["epochs"] == 5
+def _schema(deployment) -> dict:
+    return deployment._parameter_openapi_schema.model_dump()
+
+
+def _fields(schema: dict):
+    """Every form field: (where, field schema), top-level parameters and each settings section's fields."""
+    for name, field in schema["properties"].items():
+        yield name, field
+    for section, definition in schema.get("definitions", {}).items():
+        for name, field in definition.get("properties", {}).items():
+            yield f"{section}.{name}", field
+
+
+def _options(field: dict) -> list[dict]:
+    return field.get("anyOf", [field])
+
+
+def _enum(field: dict) -> list:
+    return next((o["enum"] for o in _options(field) if "enum" in o), [])
+
+
+@pytest.mark.parametrize("deployment", deployments(), ids=lambda d: d.name)
+def test_every_form_field_has_a_title_a_description_and_bounds(deployment):
+    schema = _schema(deployment)
+    for where, field in _fields(schema):
+        if "$ref" in field or "allOf" in field:  # a settings section: its own fields are checked below
+            continue
+        assert field.get("title") and field["title"] != where.split(".")[-1], f"{deployment.name}: {where} has no title"
+        assert len(field.get("description", "")) > 15, f"{deployment.name}: {where} has no description"
+        for option in _options(field):
+            if option.get("type") in ("integer", "number"):
+                assert {"minimum", "exclusiveMinimum"} & set(option), f"{deployment.name}: {where} has no lower bound"
+                assert {"maximum", "exclusiveMaximum"} & set(option), f"{deployment.name}: {where} has no upper bound"
+
+
+def test_choices_are_enums():
+    retrain = _schema(nightly_retrain())
+    defs = retrain["definitions"]
+    assert _enum(retrain["properties"]["preset"]) == ["tiny", "default", "gpu"]
+    assert _enum(defs["DataConfig"]["properties"]["dataset"]) == list(BUILTIN_DATASETS)
+    assert {"type": "string", "minLength": 1} .items() <= _options(defs["DataConfig"]["properties"]["dataset"])[1].items()
+    assert _enum(defs["ModelConfig"]["properties"]["name"]) == ["textcnn", "bilstm", "transformer"]
+    assert _enum(defs["PruneConfig"]["properties"]["method"]) == list(PRUNE_METHODS)
+    sweep = _schema(weekly_sweep())
+    assert _enum(sweep["properties"]["sampler"]) == ["tpe", "random", "grid"]
+    assert _enum(sweep["properties"]["pruner"]) == ["median", "successive_halving", "none"]
+    assert sweep["properties"]["trials"]["minimum"] == 1
+    evaluate = _schema(evaluate_champion())
+    assert _enum(evaluate["properties"]["dataset"]) == list(BUILTIN_DATASETS)
+    assert set(evaluate["required"]) == {"model_uri", "dataset"}
+
+
+def test_schedules_and_defaults():
+    retrain, sweep, evaluate = nightly_retrain(), weekly_sweep(), evaluate_champion()
+    assert (retrain.schedules[0].schedule.cron, retrain.schedules[0].schedule.timezone) == ("0 2 * * *", "Asia/Shanghai")
+    assert sweep.schedules[0].schedule.cron == "0 3 * * 6"
+    assert not evaluate.schedules
+    assert retrain.parameters == {"preset": "default", "experiment": "zhflow-nightly"}
+    assert evaluate.parameters["model_uri"] == "models:/zhflow-classifier@champion"
+    assert retrain.concurrency_limit == sweep.concurrency_limit == 1
+
+
+def test_missed_runs_policy_keeps_only_the_newest(prefect_server):
+    """A night without a worker leaves several due runs; whichever starts first, only the newest runs."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
+
+    from tasks.schedule import settle_missed_runs, slot_key
+
+    deployment_id = nightly_retrain().apply()
+    now = datetime.now(timezone.utc)
+    with get_client(sync_client=True) as client:
+        # what the scheduler made while nobody ran them: the last three nights (the API's backfill)
+        client._client.post(f"/deployments/{deployment_id}/schedule", json={
+            "start_time": (now - timedelta(days=3, hours=1)).isoformat(), "end_time": now.isoformat(), "max_runs": 10})
+        manual = client.create_flow_run_from_deployment(deployment_id)
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id])))
+        due = sorted([r for r in runs if r.auto_scheduled and r.expected_start_time <= now], key=lambda r: r.expected_start_time)
+        assert len(due) >= 3 and slot_key(manual) is None and all(slot_key(r) for r in due)
+
+        superseded, cancelled = settle_missed_runs(client, due[0], now)  # the worker starts the oldest first
+        assert superseded and {r.id for r in cancelled} == {r.id for r in due[1:-1]}
+        superseded, cancelled = settle_missed_runs(client, due[-1], now)  # the newest then runs, and finds the oldest
+        assert not superseded and [r.id for r in cancelled] == [due[0].id]
+        states = {r.id: r.state for r in client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id])))}
+        assert all(states[r.id].is_cancelled() and due[-1].name in states[r.id].message for r in due[:-1])
+        assert states[due[-1].id].is_scheduled() and states[manual.id].is_scheduled()  # a run started by hand is left alone
+        assert settle_missed_runs(client, manual, now) == (False, [])

@@ -196,3 +196,32 @@ def test_gbk_file_and_a_run_uri(store, tmp_path):
     assert summary["model_name"] is None and summary["model_version"] is None  # not a registry URI
     tags = MlflowClient().get_run(summary["run_id"]).data.tags
     assert tags["source_run_id"] == store["stage_runs"]["register"] and "registered_model" not in tags
+
+
+@pytest.mark.slow
+def test_a_scheduled_slot_registers_one_model_only(store, trained):
+    """A scheduled retrain run again for the same scheduled time (a retry, a re-run from the UI) returns the version
+    it registered the first time instead of registering another."""
+    from mlflow.tracking import MlflowClient
+    from prefect import flow
+
+    from tasks.register import register_model
+    from tasks.tracking import open_pipeline_run
+    from training.config import apply_overrides, preset
+
+    config = apply_overrides(preset("tiny"), ["registry.model_name=slot-test"])
+    checkpoint = next((trained["root"] / "zhflow-home" / "runs" / store["parent_run_id"] / "train").glob("best.pt"))
+    evaluated = {"metrics": {"test_macro_f1": 0.61}, "checkpoint": str(checkpoint)}
+    prepared = {"path": store["prepared_data"]}
+
+    @flow
+    def twice(slot: str) -> list[dict]:
+        parent = open_pipeline_run(config, "slots")
+        return [register_model(config, evaluated, prepared, parent, slot=slot) for _ in range(2)]
+
+    first, again = twice("deployment-1@2026-11-30T18:00:00+00:00")
+    other = twice("deployment-1@2026-12-01T18:00:00+00:00")[0]
+    assert first["version"] == again["version"] == "1" and other["version"] == "2"
+    versions = MlflowClient().search_model_versions("name = 'slot-test'")
+    assert sorted(str(v.version) for v in versions) == ["1", "2"]
+    assert again["alias"] == "champion" and other["alias"] == "challenger"  # 0.61 does not beat 0.61
