@@ -59,3 +59,17 @@ def test_every_field_has_a_description():
     for name, section in schema["$defs"].items():
         for field, spec in section["properties"].items():
             assert spec.get("description"), f"{name}.{field} has no description"
+
+
+def test_a_preset_with_form_changes_on_top():
+    """The Prefect form shows the default settings and a preset: the changed fields apply on top of the preset."""
+    from training.config import default, on_preset, tiny
+
+    assert on_preset(default(), None) == default()
+    assert on_preset(default(), "tiny") == tiny()
+    changed = default().model_copy(deep=True)
+    changed.train.epochs = 2
+    changed.model.name = "bilstm"
+    moved = on_preset(changed, "tiny")
+    assert (moved.train.epochs, moved.model.name, moved.data.max_samples) == (2, "bilstm", 600)
+    assert moved.model.hidden_size == 32  # the bilstm family's tiny defaults

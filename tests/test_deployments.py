@@ -98,3 +98,21 @@ def test_missed_runs_policy_keeps_only_the_newest(prefect_server):
         assert all(states[r.id].is_cancelled() and due[-1].name in states[r.id].message for r in due[:-1])
         assert states[due[-1].id].is_scheduled() and states[manual.id].is_scheduled()  # a run started by hand is left alone
         assert settle_missed_runs(client, manual, now) == (False, [])
+
+
+def test_server_refuses_an_unreachable_database_clearly(tmp_path, capsys):
+    from deployments.cli import main
+
+    code = main(["server", "--mlflow-db", "postgresql://zhflow:secret@127.0.0.1:1/zhflow_mlflow", "--logs", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 1 and "cannot reach PostgreSQL at postgresql://zhflow:***@127.0.0.1:1/postgres" in err
+    assert "secret" not in err
+
+
+def test_deploy_and_serve_need_a_prefect_server(monkeypatch, capsys):
+    from deployments.cli import main
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    for command in ("deploy", "serve"):
+        assert main([command]) == 2
+        assert "PREFECT_API_URL is not set" in capsys.readouterr().err
