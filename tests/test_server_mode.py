@@ -52,8 +52,21 @@ def pg_urls():
     conn.close()
 
 
+def _marked(marker: str) -> list[int]:
+    """Processes whose environment holds ``marker``: everything the test started, and what those started in turn
+    (flow-run processes, torchrun workers), wherever they were reparented."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in environ.read_bytes():
+                found.append(int(environ.parent.name))
+        except OSError:
+            continue
+    return [pid for pid in found if pid != os.getpid()]
+
+
 @contextmanager
-def processes():
+def processes(marker: str):
     started: list[subprocess.Popen] = []
 
     def start(cmd, **kw):
@@ -73,6 +86,11 @@ def processes():
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        for pid in _marked(marker):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def _listening_on(port: int) -> set[str]:
@@ -118,12 +136,13 @@ def test_scheduled_retrain_on_real_servers(tmp_path, pg_urls):
     prefect_port, mlflow_port = _free_port(), _free_port()
     api, tracking = f"http://127.0.0.1:{prefect_port}/api", f"http://127.0.0.1:{mlflow_port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "ZHFLOW_"))}
-    env |= {"PREFECT_HOME": str(tmp_path / "prefect-home"), "ZHFLOW_HOME": str(tmp_path / "zhflow-home"),
+    marker = f"zhflow-it-{uuid.uuid4().hex}"
+    env |= {"ZHFLOW_TEST_MARKER": marker, "PREFECT_HOME": str(tmp_path / "prefect-home"), "ZHFLOW_HOME": str(tmp_path / "zhflow-home"),
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
     client_env = env | {"PREFECT_API_URL": api, "MLFLOW_TRACKING_URI": tracking}
     logs = tmp_path / "logs"
     logs.mkdir()
-    with processes() as start:
+    with processes(marker) as start:
         server_log = logs / "zhflow-server.log"
         server = start([BIN / "zhflow", "server", "--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port),
                         "--prefect-db", pg_urls["prefect"], "--mlflow-db", pg_urls["mlflow"],
@@ -197,3 +216,4 @@ def test_scheduled_retrain_on_real_servers(tmp_path, pg_urls):
             assert run.state.is_completed(), f"{run.state}\n{serve_log.read_text()[-4000:]}"
         evaluations = mlflow.search_runs([mlflow.get_experiment_by_name("it-eval").experiment_id])
         assert len(evaluations) == 1 and evaluations[0].data.tags["model_version"] == version.version
+    assert _marked(marker) == []  # nothing left running
