@@ -13,6 +13,7 @@ import time
 import urllib.request
 import uuid
 from contextlib import contextmanager
+from datetime import timezone
 from pathlib import Path
 
 import pytest
@@ -131,7 +132,8 @@ def _wait_final(client, flow_run_id, timeout: float, logs: list[Path]):
 def test_scheduled_retrain_on_real_servers(tmp_path, pg_urls):
     from mlflow.tracking import MlflowClient
     from prefect.client.orchestration import SyncPrefectClient
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter,
+                                                FlowRunFilterDeploymentId)
 
     prefect_port, mlflow_port = _free_port(), _free_port()
     api, tracking = f"http://127.0.0.1:{prefect_port}/api", f"http://127.0.0.1:{mlflow_port}"
@@ -173,6 +175,13 @@ def test_scheduled_retrain_on_real_servers(tmp_path, pg_urls):
                 "preset": "tiny", "experiment": "it-nightly", "config": {"train": {"epochs": 2}}})
             run = _wait_final(client, run.id, 600, [worker_log])
             assert run.state.is_completed(), f"{run.state}\n{worker_log.read_text()[-4000:]}"
+            # the server's scheduler has put the coming nights on the calendar: 02:00 in Shanghai is 18:00 UTC
+            deadline = time.monotonic() + 120
+            while not (upcoming := [r for r in client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                    deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id]))) if r.auto_scheduled]):
+                assert time.monotonic() < deadline, "no scheduled runs were created for nightly-retrain"
+                time.sleep(3)
+            assert all(r.state.is_scheduled() and r.expected_start_time.astimezone(timezone.utc).hour == 18 for r in upcoming)
             artifacts = {a.key: a for a in client.read_artifacts(
                 artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))}
             assert {"mlflow-run", "metrics", "prepared-dataset"} <= set(artifacts)
@@ -216,4 +225,8 @@ def test_scheduled_retrain_on_real_servers(tmp_path, pg_urls):
             assert run.state.is_completed(), f"{run.state}\n{serve_log.read_text()[-4000:]}"
         evaluations = mlflow.search_runs([mlflow.get_experiment_by_name("it-eval").experiment_id])
         assert len(evaluations) == 1 and evaluations[0].data.tags["model_version"] == version.version
-    assert _marked(marker) == []  # nothing left running
+    deadline = time.monotonic() + 15  # SIGKILLed processes take a moment to disappear
+    while _marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200] for pid in _marked(marker)}
+    assert not left, left  # nothing left running
