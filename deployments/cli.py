@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -67,6 +68,10 @@ def server_command(args: argparse.Namespace) -> int:
 
     from deployments.server import Servers, ServerError, redact
 
+    def on_term(signum, frame):  # a service manager's stop: the same clean stop as Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
     console = Console()
     servers = Servers(host=args.host, prefect_port=args.prefect_port, mlflow_port=args.mlflow_port,
                       prefect_db=args.prefect_db, mlflow_db=args.mlflow_db, artifacts=args.artifacts, logs=args.logs)

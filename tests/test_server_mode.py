@@ -66,6 +66,13 @@ def _marked(marker: str) -> list[int]:
     return [pid for pid in found if pid != os.getpid()]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 @contextmanager
 def processes(marker: str):
     started: list[subprocess.Popen] = []
@@ -225,6 +232,16 @@ def test_scheduled_retrain_on_real_servers(tmp_path, pg_urls):
             assert run.state.is_completed(), f"{run.state}\n{serve_log.read_text()[-4000:]}"
         evaluations = mlflow.search_runs([mlflow.get_experiment_by_name("it-eval").experiment_id])
         assert len(evaluations) == 1 and evaluations[0].data.tags["model_version"] == version.version
+
+        # a service manager's stop (SIGTERM to zhflow server alone) stops both servers, not just the command
+        servers = [pid for pid in _marked(marker) if b" server " in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")]
+        assert len(servers) >= 3  # zhflow server, prefect server, mlflow server (+ its uvicorn)
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{pid}").exists() and _alive(pid) for pid in servers) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [pid for pid in servers if Path(f"/proc/{pid}").exists() and _alive(pid)], "servers outlived zhflow server"
     deadline = time.monotonic() + 15  # SIGKILLed processes take a moment to disappear
     while _marked(marker) and time.monotonic() < deadline:
         time.sleep(0.5)
