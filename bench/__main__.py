@@ -13,7 +13,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench import orchestration, preprocess, pruning, quality, sweeps, tracking, training
+from bench import common, orchestration, preprocess, pruning, quality, sweeps, tracking, training
 from bench.common import machine
 
 SECTIONS = {"preprocess": preprocess.run, "training": training.run, "quality": quality.run, "pruning": pruning.run,
@@ -24,9 +24,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller inputs (minutes instead of tens of minutes)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement (default 3)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="--quick with the smallest inputs and 1 repeat: proves every section runs (the test suite)")
     parser.add_argument("--only", help=f"comma-separated sections of: {', '.join(SECTIONS)}")
     parser.add_argument("--out", type=Path, default=Path("BENCHMARKS.md"), help="report file (default BENCHMARKS.md)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        common.SMOKE, args.quick, args.repeats = True, True, 1
+        if args.out == Path("BENCHMARKS.md"):  # never replace the real figures with smoke ones
+            args.out = Path(".zhflow/bench-smoke.md")
+            args.out.parent.mkdir(parents=True, exist_ok=True)
     names = args.only.split(",") if args.only else list(SECTIONS)
     unknown = [n for n in names if n not in SECTIONS]
     if unknown:
@@ -38,13 +45,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench: {name} ...", flush=True)
         body = SECTIONS[name](args.quick, args.repeats).rstrip() + "\n"
         stamp = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
-        flags = " --quick" if args.quick else ""
+        flags = " --smoke" if args.smoke else " --quick" if args.quick else ""
         parts[name] = body + f"\n_Measured by `python -m bench{flags} --only {name}` (or a full run) on {stamp}, " \
                              f"in {time.perf_counter() - t0:.0f} s._\n"
         print(f"bench: {name} done in {time.perf_counter() - t0:.0f}s", flush=True)
     sections = _existing_sections(args.out) if args.only else {}
     sections.update(parts)
-    command = "python -m bench" + (" --quick" if args.quick else "")
+    command = "python -m bench" + (" --smoke" if args.smoke else " --quick" if args.quick else "")
     header = [
         "# Benchmarks",
         "",

@@ -11,6 +11,15 @@ from importlib import metadata
 from typing import Callable
 
 
+# --smoke (tests only): every section at its smallest, to prove the code runs; the figures mean nothing
+SMOKE = False
+
+
+def quick_size(quick, smoke):
+    """A --quick input size, or a smaller one under --smoke."""
+    return smoke if SMOKE else quick
+
+
 @dataclass
 class Timing:
     seconds: list[float]

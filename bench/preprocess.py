@@ -5,7 +5,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from bench.common import interleaved, verdict
+from bench.common import interleaved, quick_size, verdict
 from training.data.prepare import dedupe
 from training.data.readers import read_dataset
 from training.text.clean import normalize
@@ -57,7 +57,7 @@ def _cached_rerun(quick: bool) -> tuple[float, float]:
 
 
 def run(quick: bool, repeats: int) -> str:
-    texts = corpus_texts(4000 if quick else None)
+    texts = corpus_texts(quick_size(4000, 600) if quick else None)
     n = len(texts)
     jieba, rjieba, char = Segmenter("jieba", "none"), Segmenter("rjieba", "none"), Segmenter("char", "none")
     for s in (jieba, rjieba):  # dictionaries load once, outside the timings (as in a worker process)

