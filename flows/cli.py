@@ -280,7 +280,10 @@ def _quiet_env() -> None:
 def _mlflow_ui() -> str:
     import mlflow
 
-    return f"{Path(sys.executable).parent / 'mlflow'} ui --backend-store-uri {mlflow.get_tracking_uri()}   (then http://127.0.0.1:5000)"
+    uri = mlflow.get_tracking_uri()
+    if uri.startswith(("http://", "https://")):
+        return uri
+    return f"{Path(sys.executable).parent / 'mlflow'} ui --backend-store-uri {uri}   (then http://127.0.0.1:5000)"
 
 
 def _print_evaluation(summary: dict) -> None:
@@ -327,8 +330,11 @@ def _print_summary(summary: dict) -> None:
     table.add_row("prepared data", summary["prepared_data"] + ("  (cached)" if summary.get("preprocess_cached") else ""))
     bin_dir = Path(sys.executable).parent
     table.add_row("MLflow UI", _mlflow_ui())
-    table.add_row("Prefect UI", f"{bin_dir / 'prefect'} server start   (then http://127.0.0.1:4200; runs appear there once "
-                  "PREFECT_API_URL=http://127.0.0.1:4200/api is set)")
+    if os.environ.get("PREFECT_API_URL"):
+        table.add_row("Prefect UI", os.environ["PREFECT_API_URL"].removesuffix("/api"))
+    else:
+        table.add_row("Prefect UI", f"{bin_dir / 'zhflow'} server   (Prefect and MLflow servers; then http://127.0.0.1:4200 "
+                      "once PREFECT_API_URL=http://127.0.0.1:4200/api is set)")
     console.print(table)
 
 
