@@ -47,7 +47,8 @@ def run(quick: bool, repeats: int) -> str:
     from prefect.testing.utilities import prefect_test_harness
 
     trials = 2 if quick else TRIALS
-    seeds = [13 + i for i in range(1 if quick else max(1, repeats))]
+    # a sweep seeds trial k's sampler with seed + k: seeds 100 apart never share a trial's suggestions
+    seeds = [13 + 100 * i for i in range(1 if quick else max(1, repeats))]
     config = preset("tiny") if quick else apply_overrides(preset("default"), [f"data.max_samples={TEXTS}"])
     if common.SMOKE:
         config = apply_overrides(config, ["data.max_samples=200", "train.epochs=2", "prune.finetune_epochs=0"])
@@ -92,7 +93,8 @@ def run(quick: bool, repeats: int) -> str:
     return "\n".join([
         "## Sweeps",
         "",
-        f"For each of {len(seeds)} sampler seeds, two {trials}-trial sweeps of the `sweep` flow with the built-in search "
+        f"For each of {len(seeds)} sampler seeds ({', '.join(map(str, seeds))}: trial k of a sweep uses seed + k, so "
+        f"these never share a trial), two {trials}-trial sweeps of the `sweep` flow with the built-in search "
         f"space on {data}, TPE, one trial at a time: without a pruner, and with the median pruner (a trial stops when its "
         "validation macro-F1 after an epoch is below the median of the finished trials at that epoch). With the same seed "
         "both sweeps try the same settings in the same order until the pruner stops one. Then the best trial's model is "
