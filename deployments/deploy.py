@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import urlsplit
 from uuid import UUID
 
 from prefect import get_client
@@ -46,9 +47,9 @@ def job_variables(workdir: Path) -> dict:
     env = {}
     for key in FORWARDED:
         if value := os.environ.get(key):
-            if "://" in value and "@" in value.split("://", 1)[1].split("/", 1)[0]:
-                raise ValueError(f"{key} holds credentials ({value.split('@')[0]}@...); keep them out of the deployment: "
-                                 "give the worker MLFLOW_TRACKING_USERNAME/PASSWORD or PGPASSWORD instead")
+            if "://" in value and urlsplit(value).password:
+                raise ValueError(f"{key} holds a password; keep it out of the deployment: give the worker "
+                                 "MLFLOW_TRACKING_USERNAME/PASSWORD or PGPASSWORD (or ~/.pgpass) instead")
             env[key] = value
     return {"working_dir": str(workdir.resolve()), "env": env}
 

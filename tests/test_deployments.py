@@ -116,3 +116,17 @@ def test_deploy_and_serve_need_a_prefect_server(monkeypatch, capsys):
     for command in ("deploy", "serve"):
         assert main([command]) == 2
         assert "PREFECT_API_URL is not set" in capsys.readouterr().err
+
+
+def test_deploy_keeps_passwords_out_of_the_deployment(monkeypatch, tmp_path):
+    from deployments.deploy import job_variables
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    monkeypatch.setenv("ZHFLOW_OPTUNA_STORAGE", "postgresql://zhflow@db:5432/optuna")  # a user, no password: fine
+    variables = job_variables(tmp_path)
+    assert variables["working_dir"] == str(tmp_path.resolve())
+    assert variables["env"]["ZHFLOW_OPTUNA_STORAGE"] == "postgresql://zhflow@db:5432/optuna"
+    monkeypatch.setenv("ZHFLOW_OPTUNA_STORAGE", "postgresql://zhflow:secret@db:5432/optuna")
+    with pytest.raises(ValueError, match="ZHFLOW_OPTUNA_STORAGE holds a password") as err:
+        job_variables(tmp_path)
+    assert "secret" not in str(err.value)
