@@ -11,9 +11,9 @@ import os
 from typing import Annotated, Literal, Optional
 
 from prefect import flow, get_client, get_run_logger
-from pydantic import Field
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
+from pydantic import Field
 
 from training.config import ExperimentName, PipelineConfig, PresetName, default, on_preset
 from training.sweep import DEFAULT_SPACE, check_space, grid
