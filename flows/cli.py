@@ -280,10 +280,12 @@ def _quiet_env() -> None:
 def _mlflow_ui() -> str:
     import mlflow
 
+    from tasks.tracking import mlflow_ui_base
+
     uri = mlflow.get_tracking_uri()
     if uri.startswith(("http://", "https://")):
-        return uri
-    return f"{Path(sys.executable).parent / 'mlflow'} ui --backend-store-uri {uri}   (then http://127.0.0.1:5000)"
+        return mlflow_ui_base()  # the server's address, without credentials
+    return f"{Path(sys.executable).parent / 'mlflow'} ui --backend-store-uri {uri}   (then {mlflow_ui_base()})"
 
 
 def _print_evaluation(summary: dict) -> None:
