@@ -8,11 +8,16 @@ import statistics
 import time
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Callable
 
 
 # --smoke (tests only): every section at its smallest, to prove the code runs; the figures mean nothing
 SMOKE = False
+
+
+# the best settings found by the last full sweeps section, trained again on the full split by the quality section
+SWEEP_CHAMPION = Path(".zhflow/bench/sweep-champion.json")
 
 
 def quick_size(quick, smoke):
