@@ -346,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from tasks.recover import OWNER_ENV, owner
+
+    os.environ[OWNER_ENV] = owner()  # every process started from here (the temporary Prefect server too) is found again after a kill
     if args.command == "evaluate":
         return evaluate_command(args)
     if args.command == "predict":

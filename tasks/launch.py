@@ -24,6 +24,7 @@ import torch
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
+from tasks.recover import OWNER_ENV, owner
 from training.config import TrainConfig, WorkerJob
 from training.worker import EPOCH_MARKER
 
@@ -112,7 +113,7 @@ def launch_training(job: WorkerJob, on_epoch: Callable[[int, dict], bool] | None
     error_file.unlink(missing_ok=True)
     cmd = torchrun_command(job_file, nproc, job.train, rdzv_id=job.mlflow_run_id or out_dir.name)
     env = dict(os.environ, PYTHONUNBUFFERED="1", MLFLOW_TRACKING_URI=mlflow.get_tracking_uri(),
-               TORCHELASTIC_ERROR_FILE=str(error_file))
+               TORCHELASTIC_ERROR_FILE=str(error_file), **{OWNER_ENV: owner()})  # found again if this process is killed
     if job.mlflow_run_id:
         env["MLFLOW_RUN_ID"] = job.mlflow_run_id
     if gpus is not None:

@@ -30,7 +30,7 @@ from prefect.runtime import flow_run
 
 from training.data.readers import RawDataset, decode, read_dataset
 from training.metrics import log_evaluation
-from tasks.tracking import PARENT_KIND_TAG, link_to_mlflow, metrics_artifact, prefect_tags
+from tasks.tracking import PARENT_KIND_TAG, link_to_mlflow, metrics_artifact, origin_tags
 
 REGISTERED_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))/?")
 LABEL_MAP_HELP = 'map them with --label-map FILE (or the flow\'s label_map): JSON {"dataset label": "model label"} or a two-column CSV'
@@ -135,7 +135,7 @@ def score_model(
     experiment_id = exp.experiment_id if exp else client.create_experiment(experiment)
     tags = {PARENT_KIND_TAG: "evaluate", "model_uri": model_uri, "registered_model": model.name,
             "model_version": model.version, "model_id": model.model_id, "source_run_id": model.source_run_id,
-            **prefect_tags()}
+            **origin_tags()}
     with mlflow.start_run(experiment_id=experiment_id, run_name=str(flow_run.name or "evaluate"),
                           tags={k: v for k, v in tags.items() if v}) as run:
         mlflow.log_params({"model_uri": model_uri, "dataset": raw.source, "text_columns": ",".join(text_columns or [text_column]),

@@ -24,7 +24,7 @@ from training.config import ConfigError, PipelineConfig, flatten
 from training.sweep import apply_params, grid, suggest
 from tasks.preprocess import preprocess
 from tasks.prune import prune_round
-from tasks.tracking import STAGE_TAG, prefect_tags, stage_run, work_root
+from tasks.tracking import STAGE_TAG, origin_tags, stage_run, work_root
 from tasks.train import launch_worker
 
 TRIAL_STATE_TAG = "zhflow.trial_state"
@@ -134,7 +134,7 @@ def run_trial(base: PipelineConfig, space: dict, study_name: str, storage: str, 
         client = MlflowClient()
         run = client.create_run(sweep["experiment_id"], run_name=f"trial-{trial.number}", tags={
             "mlflow.parentRunId": sweep["run_id"], STAGE_TAG: "trial", "optuna.study": study_name,
-            "optuna.trial_number": str(trial.number), **prefect_tags()})
+            "optuna.trial_number": str(trial.number), **origin_tags()})
         trial_run = {**sweep, "run_id": run.info.run_id, "work_dir": str(Path(sweep["work_dir"]) / f"trial-{trial.number}")}
         started = time.perf_counter()
         summary = {"number": trial.number, "run_id": run.info.run_id, "params": params}

@@ -22,6 +22,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.runtime import flow_run
 
 import training
+from tasks.recover import OWNER_TAG, owner, recover
 from training.config import PipelineConfig, flatten
 
 PARENT_KIND_TAG = "zhflow.kind"
@@ -56,8 +57,9 @@ def git_commit() -> str | None:
         return None
 
 
-def prefect_tags() -> dict[str, str]:
-    tags = {}
+def origin_tags() -> dict[str, str]:
+    """Tags of every run zhflow creates: its Prefect flow run, and the process that owns it (for ``tasks.recover``)."""
+    tags = {OWNER_TAG: owner()}
     if flow_run.id:
         tags[FLOW_RUN_TAG] = str(flow_run.id)
         tags["prefect.flow_run_name"] = str(flow_run.name)
@@ -69,11 +71,17 @@ def prefect_tags() -> dict[str, str]:
 
 @task(name="open-mlflow-run")
 def open_pipeline_run(config: PipelineConfig, experiment: str, kind: str = "train_pipeline") -> dict:
-    """Create the parent run and log every setting as a flat param (``train.lr``)."""
+    """Create the parent run and log every setting as a flat param (``train.lr``); first settle what killed
+    zhflow processes left behind (``tasks.recover``)."""
     client = MlflowClient()
+    settled = recover(client)
+    if settled["ended_processes"] or settled["failed_runs"]:
+        get_run_logger().warning("settled what killed zhflow processes left behind: ended process(es) %s; marked FAILED "
+                                 "the MLflow run(s) they left RUNNING: %s", settled["ended_processes"] or "none",
+                                 settled["failed_runs"] or "none")
     exp = client.get_experiment_by_name(experiment)
     experiment_id = exp.experiment_id if exp else client.create_experiment(experiment)
-    tags = {PARENT_KIND_TAG: kind, "zhflow.version": training.__version__, **prefect_tags()}
+    tags = {PARENT_KIND_TAG: kind, "zhflow.version": training.__version__, **origin_tags()}
     if commit := git_commit():
         tags["mlflow.source.git.commit"] = commit
     run = client.create_run(experiment_id, run_name=str(flow_run.name or kind), tags=tags)
@@ -108,7 +116,7 @@ def open_stage_run(parent: dict, stage: str) -> dict:
         client.update_run(run_id, status="RUNNING")
     else:
         run_id = client.create_run(parent["experiment_id"], run_name=stage, tags={
-            STAGE_TAG: stage, "mlflow.parentRunId": parent["run_id"], **prefect_tags()}).info.run_id
+            STAGE_TAG: stage, "mlflow.parentRunId": parent["run_id"], **origin_tags()}).info.run_id
     work_dir = Path(parent["work_dir"]) / stage
     work_dir.mkdir(parents=True, exist_ok=True)
     return {**parent, "run_id": run_id, "work_dir": str(work_dir), "parent_run_id": parent["run_id"]}
@@ -129,7 +137,7 @@ def stage_run(parent: dict, stage: str) -> Iterator[mlflow.ActiveRun]:
         return
     with mlflow.start_run(
         experiment_id=parent["experiment_id"], run_name=stage, parent_run_id=parent["run_id"], nested=True,
-        tags={STAGE_TAG: stage, **prefect_tags()},
+        tags={STAGE_TAG: stage, **origin_tags()},
     ) as run:
         yield run
 

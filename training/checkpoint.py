@@ -3,7 +3,10 @@
 Each ``NAME.pt`` has a sidecar ``NAME.pt.json`` with its sha256 and what it
 holds (step, epoch). Writes go to a temporary file in the same folder, are
 fsynced, then renamed, so a crash mid-write leaves the previous file intact.
-Loads use ``weights_only=True``: a checkpoint cannot run code.
+The sidecar is written first and keeps the previous file's digest too: a
+crash between the two renames leaves the previous checkpoint, which still
+matches, so there is always one that loads. Loads use ``weights_only=True``
+and only after the digest matches: a checkpoint cannot run code.
 
 The model weights (the ``model`` entry) are stored compressed where pruning left zeros: a tensor with enough
 zeros to save space is kept as a bitmap of its non-zeros plus their values, so an 80% sparse model takes
@@ -23,6 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from training.storage import writing
+
 
 class CheckpointError(RuntimeError):
     pass
@@ -30,6 +35,8 @@ class CheckpointError(RuntimeError):
 
 def _atomic_write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a writer that was killed
+        stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -83,9 +90,22 @@ def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any], **meta: An
     torch.save(payload, buf)
     data = buf.getvalue()
     digest = hashlib.sha256(data).hexdigest()
-    _atomic_write(path, data)
-    _atomic_write(path.with_name(path.name + ".json"), json.dumps({"sha256": digest, "bytes": len(data), **meta}).encode())
+    sidecar = path.with_name(path.name + ".json")
+    entry = {"sha256": digest, "bytes": len(data), **meta}
+    previous = _read_sidecar(sidecar) if path.is_file() else None
+    if previous and previous.get("sha256") == hashlib.sha256(path.read_bytes()).hexdigest():
+        entry["previous"] = {k: v for k, v in previous.items() if k != "previous"}  # until the new file is in place
+    with writing("the checkpoint", path):
+        _atomic_write(sidecar, json.dumps(entry).encode())
+        _atomic_write(path, data)
     return digest
+
+
+def _read_sidecar(sidecar: Path) -> dict | None:
+    try:
+        return json.loads(sidecar.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -93,11 +113,14 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     sidecar = path.with_name(path.name + ".json")
     if not path.is_file() or not sidecar.is_file():
         raise CheckpointError(f"{path}: checkpoint or its sidecar {sidecar.name} is missing")
-    expected = json.loads(sidecar.read_text())["sha256"]
+    entry = _read_sidecar(sidecar)
+    if not entry or "sha256" not in entry:
+        raise CheckpointError(f"{sidecar}: not a checkpoint sidecar (unreadable JSON or no sha256)")
     data = path.read_bytes()
     actual = hashlib.sha256(data).hexdigest()
-    if actual != expected:
-        raise CheckpointError(f"{path}: sha256 {actual[:12]}… does not match its sidecar ({expected[:12]}…); the file is damaged")
+    # "previous": a newer checkpoint's write was cut short between the sidecar and the file; this file is the last whole one
+    if actual not in (entry["sha256"], entry.get("previous", {}).get("sha256")):
+        raise CheckpointError(f"{path}: sha256 {actual[:12]}… does not match its sidecar ({entry['sha256'][:12]}…); the file is damaged")
     state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     if isinstance(state.get("model"), dict):
         state["model"] = {k: unpack_tensor(v) for k, v in state["model"].items()}

@@ -30,6 +30,7 @@ import training
 from training.config import AugmentConfig, DataConfig, PreprocessConfig
 from training.data.readers import DatasetError, RawDataset, read_dataset
 from training.data.vocab import PAD, UNK, build_vocab, encode
+from training.storage import writing
 from training.text.clean import normalizer
 from training.text.segment import Segmenter, file_digest
 
@@ -221,62 +222,67 @@ def prepare_dataset(
     char_stoi = {ch: i for i, ch in enumerate(char_vocab)}
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    splits_info = {}
-    for split in SPLITS:
-        ids, offsets = encode(token_lists[split], stoi)
-        split_labels = np.array([label_map[l] for l in label_lists[split]], dtype=np.int64)
-        files = [tmp / f"{split}.ids.npy", tmp / f"{split}.offsets.npy", tmp / f"{split}.labels.npy", tmp / f"{split}.jsonl"]
-        np.save(files[0], ids)
-        np.save(files[1], offsets)
-        np.save(files[2], split_labels)
-        _write_jsonl(files[3], rows[split])
-        char_ids, char_offsets = encode(char_lists[split], char_stoi)
-        np.save(tmp / f"{split}.char_ids.npy", char_ids)
-        np.save(tmp / f"{split}.char_offsets.npy", char_offsets)
-        unk = int((ids == stoi[UNK]).sum())
-        originals_only = [r for r in rows[split] if not r.get("augmented")]
-        splits_info[split] = {
-            "n": len(split_labels),
-            "per_label": dict(sorted(Counter(label_lists[split]).items())),
-            "tokens": int(len(ids)),
-            "unk_rate": round(unk / max(1, len(ids)), 4),
-            "token_length": _length_percentiles(offsets),
-            "digest": _file_digest(files),
-            # identifies the (text, label) pairs alone, independent of the vocabulary: used to compare models
-            "content_digest": _key("\n".join(sorted(f"{r['label']}\t{r['clean']}" for r in originals_only))),
-        }
-    (tmp / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    (tmp / "char_vocab.json").write_text(json.dumps(char_vocab, ensure_ascii=False), encoding="utf-8")
+    try:  # a full disk or read-only folder: a clear error, the partial folder removed, earlier results untouched
+        with writing("the prepared dataset", out_dir):
+            tmp.mkdir(parents=True)
+            splits_info = {}
+            for split in SPLITS:
+                ids, offsets = encode(token_lists[split], stoi)
+                split_labels = np.array([label_map[l] for l in label_lists[split]], dtype=np.int64)
+                files = [tmp / f"{split}.ids.npy", tmp / f"{split}.offsets.npy", tmp / f"{split}.labels.npy", tmp / f"{split}.jsonl"]
+                np.save(files[0], ids)
+                np.save(files[1], offsets)
+                np.save(files[2], split_labels)
+                _write_jsonl(files[3], rows[split])
+                char_ids, char_offsets = encode(char_lists[split], char_stoi)
+                np.save(tmp / f"{split}.char_ids.npy", char_ids)
+                np.save(tmp / f"{split}.char_offsets.npy", char_offsets)
+                unk = int((ids == stoi[UNK]).sum())
+                originals_only = [r for r in rows[split] if not r.get("augmented")]
+                splits_info[split] = {
+                    "n": len(split_labels),
+                    "per_label": dict(sorted(Counter(label_lists[split]).items())),
+                    "tokens": int(len(ids)),
+                    "unk_rate": round(unk / max(1, len(ids)), 4),
+                    "token_length": _length_percentiles(offsets),
+                    "digest": _file_digest(files),
+                    # identifies the (text, label) pairs alone, independent of the vocabulary: used to compare models
+                    "content_digest": _key("\n".join(sorted(f"{r['label']}\t{r['clean']}" for r in originals_only))),
+                }
+            (tmp / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+            (tmp / "char_vocab.json").write_text(json.dumps(char_vocab, ensure_ascii=False), encoding="utf-8")
 
-    import jieba
+            import jieba
 
-    manifest = {
-        "format_version": 1,
-        "dataset": {"name": raw.name, "source": raw.source, "digest": raw.digest},
-        "test_dataset": {"source": data.test_dataset, "digest": file_digest(data.test_dataset)} if data.test_dataset else None,
-        "counts": counts,
-        "splits": splits_info,
-        "labels": label_names,
-        "label_map": label_map,
-        "vocab_size": len(vocab),
-        "char_vocab_size": len(char_vocab),
-        "specials": {"pad": PAD, "unk": UNK},
-        "config": {"data": data.model_dump(), "preprocess": pre.model_dump(), "augment": augment.model_dump()},
-        "files": {"user_dict": file_digest(pre.user_dict), "stopwords_file": file_digest(pre.stopwords_file),
-                  "synonyms": file_digest(augment.synonyms) if augment.enabled else None},
-        "versions": {
-            "zhflow": training.__version__,
-            "jieba": jieba.__version__,
-            "numpy": np.__version__,
-            "python": platform.python_version(),
-        },
-        "seconds": round(time.perf_counter() - started, 2),
-    }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, ensure_ascii=False, indent=2), encoding="utf-8")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+            manifest = {
+                "format_version": 1,
+                "dataset": {"name": raw.name, "source": raw.source, "digest": raw.digest},
+                "test_dataset": {"source": data.test_dataset, "digest": file_digest(data.test_dataset)} if data.test_dataset else None,
+                "counts": counts,
+                "splits": splits_info,
+                "labels": label_names,
+                "label_map": label_map,
+                "vocab_size": len(vocab),
+                "char_vocab_size": len(char_vocab),
+                "specials": {"pad": PAD, "unk": UNK},
+                "config": {"data": data.model_dump(), "preprocess": pre.model_dump(), "augment": augment.model_dump()},
+                "files": {"user_dict": file_digest(pre.user_dict), "stopwords_file": file_digest(pre.stopwords_file),
+                          "synonyms": file_digest(augment.synonyms) if augment.enabled else None},
+                "versions": {
+                    "zhflow": training.__version__,
+                    "jieba": jieba.__version__,
+                    "numpy": np.__version__,
+                    "python": platform.python_version(),
+                },
+                "seconds": round(time.perf_counter() - started, 2),
+            }
+            (tmp / MANIFEST).write_text(json.dumps(manifest, ensure_ascii=False, indent=2), encoding="utf-8")
+            if out_dir.exists():
+                shutil.rmtree(out_dir)
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return manifest
 
 
