@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from training.config import PRESETS, ConfigError, ModelConfig, PipelineConfig, apply_overrides, preset
+from training.config import PRESETS, ConfigError, ModelConfig, PipelineConfig, apply_overrides, check_experiment, preset
 
 MODEL_FAMILIES = ModelConfig.model_fields["name"].annotation.__args__
 
@@ -150,7 +150,7 @@ def sweep_command(args: argparse.Namespace, config: PipelineConfig) -> int:
         print("zhflow: interrupted", file=sys.stderr)
         return 130
     except Exception as err:  # the flow's logs above hold the details
-        print(f"zhflow: the sweep failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}", file=sys.stderr)
+        print(f"zhflow: the sweep failed: {describe_failure(err)}", file=sys.stderr)
         return 1
     if args.json_out:
         args.json_out.write_text(json.dumps(summary, indent=2, ensure_ascii=False, default=str))
@@ -261,13 +261,19 @@ def evaluate_command(args: argparse.Namespace) -> int:
         print("zhflow: interrupted", file=sys.stderr)
         return 130
     except Exception as err:  # the flow's logs above hold the details
-        print(f"zhflow: the evaluation failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+        print(f"zhflow: the evaluation failed: {describe_failure(err)}",
               file=sys.stderr)
         return 2 if isinstance(err, (DatasetError, EvaluationError)) else 1
     if args.json_out:
         args.json_out.write_text(json.dumps(summary, indent=2, ensure_ascii=False))
     _print_evaluation(summary)
     return 0
+
+
+def describe_failure(err: BaseException) -> str:
+    from tasks.servers import describe_failure
+
+    return describe_failure(err)
 
 
 def _quiet_env() -> None:
@@ -349,6 +355,18 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     from tasks.recover import OWNER_ENV, owner
 
     os.environ[OWNER_ENV] = owner()  # every process started from here (the temporary Prefect server too) is found again after a kill
+    try:
+        if getattr(args, "experiment", None) is not None:
+            check_experiment(args.experiment)  # the flows would refuse it only after a server has started
+    except ConfigError as err:
+        parser.exit(2, f"zhflow: error: --{err}\n")
+    if args.command in ("run", "sweep", "evaluate", "predict"):
+        from tasks.servers import ServerUnreachable, check_servers
+
+        try:
+            check_servers()  # before anything is recorded: one clear error, not minutes of retries
+        except ServerUnreachable as err:
+            parser.exit(2, f"zhflow: error: {err}\n")
     if args.command == "evaluate":
         return evaluate_command(args)
     if args.command == "predict":
@@ -377,7 +395,7 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         print("zhflow: interrupted", file=sys.stderr)
         return 130
     except Exception as err:  # the flow's logs above hold the details
-        print(f"zhflow: the pipeline failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}", file=sys.stderr)
+        print(f"zhflow: the pipeline failed: {describe_failure(err)}", file=sys.stderr)
         return 1
     if args.json_out:
         args.json_out.write_text(json.dumps(summary, indent=2, ensure_ascii=False))

@@ -309,3 +309,84 @@ def test_a_read_only_folder_is_a_clear_error_and_the_cached_result_stays(small_d
     with pytest.raises(StorageError, match="could not write the prepared dataset to .*: the file system is read-only"):
         prepare_other()
     assert (cached / "manifest.json").is_file() and not other.exists()
+
+
+@pytest.mark.parametrize("setting, value, named", [
+    ("MLFLOW_TRACKING_URI", "http://127.0.0.1:{port}", "the MLflow tracking server at http://127.0.0.1:{port}/health (MLFLOW_TRACKING_URI)"),
+    ("PREFECT_API_URL", "http://127.0.0.1:{port}/api", "the Prefect server at http://127.0.0.1:{port}/api/health (PREFECT_API_URL)"),
+], ids=["mlflow", "prefect"])
+@pytest.mark.parametrize("server", ["closed port", "accepts and never answers"])
+def test_an_unreachable_server_at_start_is_a_clear_error_in_bounded_time(tmp_path, monkeypatch, capsys, setting, value,
+                                                                         named, server):
+    import socket
+
+    from flows.cli import main
+    from tasks import servers
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    if server == "accepts and never answers":
+        listener.listen(8)
+    else:
+        listener.close()
+    monkeypatch.setattr(servers, "CHECK_SECONDS", 3.0)
+    monkeypatch.setenv(setting, value.format(port=port))
+    monkeypatch.setenv("ZHFLOW_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    started = time.monotonic()
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            main(["run", "--preset", "tiny"])
+    finally:
+        listener.close()
+    assert exit_.value.code == 2 and time.monotonic() - started < 30
+    err = capsys.readouterr().err
+    assert named.format(port=port) in err and "did not answer within 3 s" in err, err
+    assert not (tmp_path / "home").exists() and not (tmp_path / "mlflow.db").exists()  # nothing recorded, nothing started
+
+
+def _server_goes_away(tmp_path: Path, which: str) -> tuple[subprocess.CompletedProcess, float, str]:
+    """`zhflow run` with a real ``which`` server (SQLite behind it) that is killed while the run trains; returns the
+    finished run, the seconds from the kill to its exit, and the server's address."""
+    from deployments.server import Servers
+    from tests.test_server_mode import _free_port, _wait_http, processes
+
+    marker = f"ZHFLOW_FAULT_TEST={tmp_path.name}"
+    servers = Servers(prefect_port=_free_port(), mlflow_port=_free_port(), mlflow_db=f"sqlite:///{tmp_path / 'server.db'}",
+                      artifacts=str(tmp_path / "artifacts"), logs=tmp_path / "logs")
+    cmd, env = servers.commands()[which]
+    env = dict(env, ZHFLOW_FAULT_TEST=tmp_path.name, PREFECT_HOME=str(tmp_path / "prefect-server"))
+    run_env = dict(_env(tmp_path), ZHFLOW_FAULT_TEST=tmp_path.name,
+                   MLFLOW_HTTP_REQUEST_MAX_RETRIES="1", PREFECT_CLIENT_MAX_RETRIES="1")  # retries shortened: see the README
+    address = servers.mlflow_uri if which == "mlflow" else servers.prefect_api
+    run_env["MLFLOW_TRACKING_URI" if which == "mlflow" else "PREFECT_API_URL"] = address
+    with processes(marker) as start:
+        server_log = tmp_path / f"{which}.log"
+        server = start(cmd, env=env, stdout=server_log.open("wb"), stderr=subprocess.STDOUT)
+        _wait_http(servers.health_url(which), server, server_log)
+        run_log = tmp_path / "run.log"
+        run = start([ZHFLOW, "run", "--preset", "tiny", "--set", "train.epochs=30"], cwd=tmp_path, env=run_env,
+                    stdout=run_log.open("w"), stderr=subprocess.STDOUT)
+        _wait_for(lambda: "[train] epoch" in run_log.read_text() or run.poll() is not None, 300, "training to start")
+        assert run.poll() is None, run_log.read_text()[-3000:]
+        os.killpg(server.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        try:
+            run.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the run hangs 300 s after its {which} server went away:\n{run_log.read_text()[-3000:]}")
+        seconds = time.monotonic() - killed
+        time.sleep(2)
+        assert not [pid for pid in _marked(run.pid)], "the run left processes behind"
+    return subprocess.CompletedProcess(run.args, run.returncode, run_log.read_text()), seconds, address.removesuffix("/api")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which, named", [("mlflow", "the MLflow tracking server at {address} stopped answering"),
+                                          ("prefect", "the Prefect server at {address}/api stopped answering")])
+def test_a_server_that_goes_away_mid_run_ends_it_with_a_clear_error_in_bounded_time(tmp_path, which, named):
+    run, seconds, address = _server_goes_away(tmp_path, which)
+    assert run.returncode == 1, run.stdout[-3000:]
+    assert named.format(address=address) in run.stdout.splitlines()[-1] or named.format(address=address) in run.stdout, run.stdout[-2000:]
+    assert seconds < 180, f"{seconds:.0f} s from the kill to the end of the run"
