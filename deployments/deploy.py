@@ -24,7 +24,7 @@ from prefect.workers.process import ProcessWorker
 from deployments.definitions import for_work_pool
 
 # what the runs need from the deploying shell; credentials are not among them (the worker's environment holds those)
-FORWARDED = ("MLFLOW_TRACKING_URI", "ZHFLOW_HOME", "ZHFLOW_OPTUNA_STORAGE", "ZHFLOW_MLFLOW_UI_URL")
+FORWARDED = ("MLFLOW_TRACKING_URI", "ZHFLOW_HOME", "ZHFLOW_OPTUNA_STORAGE", "ZHFLOW_MLFLOW_UI_URL", "ZHFLOW_ALLOWED_PATHS")
 
 
 def ensure_pool(name: str) -> bool:

@@ -373,6 +373,9 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         return predict_command(args)
     try:
         config = build_config(args)
+        from training.paths import check_config_paths
+
+        check_config_paths(config)
     except ConfigError as err:
         parser.exit(2, f"zhflow: error: {err}\n")
     if args.command == "preprocess":

@@ -12,6 +12,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from training.config import ExperimentName, PipelineConfig, PresetName, default, on_preset
+from training.paths import check_config_paths
 from tasks.baseline import baseline_model
 from tasks.evaluate import evaluate_model
 from tasks.preprocess import preprocess
@@ -46,6 +47,7 @@ def train_pipeline(config: PipelineConfig = default(), experiment: ExperimentNam
     if slot["superseded"]:
         return skipped(slot)
     config = on_preset(config, preset)
+    check_config_paths(config)  # a path from the form may not leave the allowed folders
     parent = open_pipeline_run(config, experiment)
     prepared = preprocess(config.data, config.preprocess, config.augment, parent)
     trained = with_limits(train_model, config.train)(config, prepared, parent)

