@@ -197,8 +197,14 @@ def predict_command(args: argparse.Namespace) -> int:
     import mlflow
     from mlflow.exceptions import MlflowException
 
+    from training.paths import PathRefused, check_model_uri
+
     try:
+        check_model_uri("--model-uri", args.model_uri)
         model = mlflow.pyfunc.load_model(args.model_uri)
+    except PathRefused as err:
+        print(f"zhflow: error: {err}", file=sys.stderr)
+        return 2
     except (MlflowException, OSError) as err:
         print(f"zhflow: error: cannot load model {args.model_uri!r}: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
@@ -277,6 +283,7 @@ def describe_failure(err: BaseException) -> str:
 
 
 def _quiet_env() -> None:
+    import tasks.tracking  # noqa: F401  its settings: MLflow's HTTP retries bounded, pickled models refused
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry from the temporary server
     # the temporary server gets 20 s to start by default: too little on a busy 2-core machine

@@ -68,7 +68,8 @@ def registry_lock(name: str) -> Iterator[None]:
                 limit = f"zhflow-registry-{slug}"
                 with get_client(sync_client=True) as prefect:
                     prefect.upsert_global_concurrency_limit_by_name(limit, 1)
-                with concurrency(limit, occupy=1, timeout_seconds=600):
+                # a lease of 60 s, renewed while this process lives: a killed holder frees the slot within a minute
+                with concurrency(limit, occupy=1, timeout_seconds=600, lease_duration=60):
                     yield
             else:
                 yield

@@ -7,6 +7,9 @@ if set, else MLflow's local default (``mlflow.db`` in the working folder).
 MLflow's HTTP calls retry at most ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` times (3 unless set; MLflow's own default,
 7, backs off for minutes) with a ``MLFLOW_HTTP_REQUEST_TIMEOUT`` of 30 s: a tracking server that goes away mid-run
 ends the run with an error in bounded time. The training processes inherit both.
+
+Models are loaded with ``MLFLOW_ALLOW_PICKLE_DESERIALIZATION=false`` unless set: zhflow's models are "models from
+code" (no pickle), so a model whose MLmodel file was changed to load a pickled object is refused, not run.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from training.config import PipelineConfig, flatten
 
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+os.environ.setdefault("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", "false")
 
 PARENT_KIND_TAG = "zhflow.kind"
 STAGE_TAG = "zhflow.stage"

@@ -225,3 +225,18 @@ def test_a_scheduled_slot_registers_one_model_only(store, trained):
     versions = MlflowClient().search_model_versions("name = 'slot-test'")
     assert sorted(str(v.version) for v in versions) == ["1", "2"]
     assert again["alias"] == "champion" and other["alias"] == "challenger"  # 0.61 does not beat 0.61
+
+
+def test_the_logged_model_carries_no_pickle_and_loads_with_pickles_refused(store, monkeypatch):
+    """README: Security. The registered model is 'models from code': source, JSON and weights read with
+    weights_only; it loads with MLFLOW_ALLOW_PICKLE_DESERIALIZATION=false."""
+    import yaml
+
+    monkeypatch.setenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", "false")
+    local = Path(mlflow.artifacts.download_artifacts(store["model"]["uri"]))
+    files = [p for p in local.rglob("*") if p.is_file()]
+    assert not [p for p in files if p.suffix in (".pkl", ".pickle")]
+    flavor = yaml.safe_load((local / "MLmodel").read_text())["flavors"]["python_function"]
+    assert "model_code_path" in flavor and "python_model" not in flavor
+    predicted = mlflow.pyfunc.load_model(store["model"]["uri"]).predict(["质量很好，物流也快"])
+    assert list(predicted["label"]) in (["positive"], ["negative"])
