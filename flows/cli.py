@@ -283,7 +283,9 @@ def describe_failure(err: BaseException) -> str:
 
 
 def _quiet_env() -> None:
-    import tasks.tracking  # noqa: F401  its settings: MLflow's HTTP retries bounded, pickled models refused
+    from tasks.tracking import apply_mlflow_defaults
+
+    apply_mlflow_defaults()  # MLflow's HTTP retries bounded, pickled models refused
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry from the temporary server
     # the temporary server gets 20 s to start by default: too little on a busy 2-core machine

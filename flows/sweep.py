@@ -16,7 +16,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
 from training.config import ExperimentName, PipelineConfig, PresetName, default, on_preset
-from training.paths import check_config_paths
+from training.paths import check_config_paths, check_space_paths
 from training.sweep import DEFAULT_SPACE, check_space, grid
 from tasks.baseline import baseline_model
 from tasks.evaluate import evaluate_model
@@ -68,6 +68,7 @@ def sweep(
     config = on_preset(config, preset)
     check_config_paths(config)  # a path from the form may not leave the allowed folders
     space = check_space(space or DEFAULT_SPACE)
+    check_space_paths(space)  # a file setting searched over: its every choice is checked too
     if sampler == "grid":
         trials = min(trials, math.prod(len(values) for values in grid(space).values()))
     study_name = study or f"zhflow-{flow_run.id or 'local'}"

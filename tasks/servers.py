@@ -34,7 +34,10 @@ def check_servers(timeout: float | None = None) -> None:
     if uri.startswith(("http://", "https://")):
         checks.append(("the MLflow tracking server", "MLFLOW_TRACKING_URI", mlflow_ui_base() + "/health",
                        "start it (zhflow server) or unset MLFLOW_TRACKING_URI to track into ./mlflow.db"))
-    api = os.environ.get("PREFECT_API_URL", "")
+    from prefect.settings import get_current_settings
+
+    # the environment as it is now, else what Prefect read when it loaded (a profile, .env or prefect.toml)
+    api = os.environ.get("PREFECT_API_URL") or str(get_current_settings().api.url or "")
     if api.startswith(("http://", "https://")):
         checks.append(("the Prefect server", "PREFECT_API_URL", api.rstrip("/") + "/health",
                        "start it (zhflow server) or unset PREFECT_API_URL to run on a temporary local server"))
@@ -56,7 +59,10 @@ def describe_failure(err: BaseException) -> str:
     import httpx  # Prefect's client
 
     if isinstance(err, httpx.TransportError):
-        return f"the Prefect server at {os.environ.get('PREFECT_API_URL') or 'the temporary local server'} stopped answering ({text})"
+        from prefect.settings import get_current_settings
+
+        api = os.environ.get("PREFECT_API_URL") or get_current_settings().api.url or "the temporary local server"
+        return f"the Prefect server at {api} stopped answering ({text})"
     if type(err).__name__ == "MlflowException" and "API request to" in str(err):
         return f"the MLflow tracking server at {mlflow_ui_base()} stopped answering ({text[:300]})"
     return text

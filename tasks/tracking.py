@@ -34,9 +34,17 @@ import training
 from tasks.recover import OWNER_TAG, owner, recover
 from training.config import PipelineConfig, flatten
 
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
-os.environ.setdefault("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", "false")
+MLFLOW_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+                   "MLFLOW_ALLOW_PICKLE_DESERIALIZATION": "false"}
+
+
+def apply_mlflow_defaults() -> None:
+    """zhflow's MLflow settings (above), where the environment does not set them."""
+    for key, value in MLFLOW_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+apply_mlflow_defaults()
 
 PARENT_KIND_TAG = "zhflow.kind"
 STAGE_TAG = "zhflow.stage"

@@ -41,6 +41,12 @@ def sentiment_rows(n_per_class: int = 30) -> list[tuple[str, str]]:
     return rows
 
 
+@pytest.fixture(autouse=True)
+def _owner_mark(monkeypatch):
+    """`zhflow` marks its process environment for tasks.recover; a test calling it in-process leaves no mark behind."""
+    monkeypatch.setenv("ZHFLOW_OWNER", "")
+
+
 @pytest.fixture
 def small_csv(tmp_path: Path) -> Path:
     return write_csv(tmp_path / "reviews.csv", sentiment_rows())

