@@ -35,8 +35,8 @@ def _marked(owner_pid: int) -> list[int]:
                 environ = (entry / "environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if any(item.startswith(f"{OWNER_ENV}=".encode()) and item.split(b":")[1] == str(owner_pid).encode()
-                   for item in environ):
+            marks = [item.split(b"=", 1)[1].split(b":") for item in environ if item.startswith(f"{OWNER_ENV}=".encode())]
+            if any(len(mark) > 1 and mark[1] == str(owner_pid).encode() for mark in marks):
                 found.append(int(entry.name))
     return found
 
