@@ -18,8 +18,8 @@ $(STAMP): pyproject.toml
 run: $(STAMP)        ## the default pipeline on the built-in corpus
 	$(BIN)/zhflow run $(ARGS)
 
-test: $(STAMP)       ## the whole suite, slow tests included
-	$(BIN)/python -m pytest $(ARGS)
+test: $(STAMP)       ## the whole suite, slow tests included (the 15 slowest listed at the end)
+	$(BIN)/python -m pytest --durations=15 $(ARGS)
 
 test-fast: $(STAMP)  ## unit tests only
 	$(BIN)/python -m pytest -m "not slow" $(ARGS)
