@@ -49,6 +49,8 @@ def resolve_nproc(requested: int | None) -> int:
         return count
     if kind == "cuda" and requested > count:
         raise ValueError(f"train.nproc={requested} but this machine has {count} GPU(s)")
+    if kind == "cpu" and requested > count:  # more processes than cores only slows every one of them down
+        raise ValueError(f"train.nproc={requested} but this machine has {count} CPU core(s): give at most {count}")
     return requested
 
 

@@ -8,6 +8,7 @@ setting, or a result given exactly. A row's id says which, and what the result i
 import contextlib
 import io
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,12 @@ def prepared(rows: list[tuple[str, str]], name: str = "reviews.csv"):
         path = write_csv(tmp / name, rows)
         return prepare_dataset(DataConfig(dataset=str(path)), PreprocessConfig(min_freq=1), tmp / "out")["counts"]
     return run
+
+
+def _launch_nproc(requested: int) -> int:
+    from tasks.launch import resolve_nproc  # where a job's process count meets the machine (no GPU here: CPU cores)
+
+    return resolve_nproc(requested)
 
 
 def override(*items: str):
@@ -210,8 +217,10 @@ CASES = [
                  id="zhflow run --nproc 0"),
     pytest.param(cli("run", "--preset", "tiny", "--nproc", "5000"), exits(2, "train.nproc", "less than or equal to 1024"),
                  id="zhflow run --nproc 5000"),
-    # the machine is known only at launch: there nproc is checked against the GPUs; CPU processes may outnumber cores
+    # the machine is known only at launch: there nproc is checked against its GPUs or CPU cores
     pytest.param(lambda tmp: override("train.nproc=64")(tmp).train.nproc, 64, id="train.nproc=64 above the cores -> accepted"),
+    pytest.param(lambda tmp: _launch_nproc(os.cpu_count() + 1), error(ValueError, "train.nproc", "CPU core"),
+                 id="train.nproc above the cores -> refused at launch"),
     pytest.param(override("train.batch_size=0"), error(ConfigError, "train.batch_size", "greater than or equal to 1"),
                  id="batch size 0"),
     pytest.param(override("train.lr=NaN"), error(ConfigError, "train.lr", "finite number"), id="learning rate NaN"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -27,18 +28,10 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 
 def _marked(owner_pid: int) -> list[int]:
-    """Processes whose $ZHFLOW_OWNER names ``owner_pid``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                environ = (entry / "environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            marks = [item.split(b"=", 1)[1].split(b":") for item in environ if item.startswith(f"{OWNER_ENV}=".encode())]
-            if any(len(mark) > 1 and mark[1] == str(owner_pid).encode() for mark in marks):
-                found.append(int(entry.name))
-    return found
+    """Processes whose $ZHFLOW_OWNER names ``owner_pid`` of this host."""
+    from tests.test_server_mode import _marked as holding
+
+    return holding(f"{OWNER_ENV}={socket.gethostname()}:{owner_pid}:")
 
 
 def _wait_for(predicate, timeout: float, what: str):
@@ -330,7 +323,6 @@ def test_a_read_only_folder_is_a_clear_error_and_the_cached_result_stays(small_d
 @pytest.mark.parametrize("server", ["closed port", "accepts and never answers"])
 def test_an_unreachable_server_at_start_is_a_clear_error_in_bounded_time(tmp_path, monkeypatch, capsys, setting, value,
                                                                          named, server):
-    import socket
 
     from flows.cli import main
     from tasks import servers
