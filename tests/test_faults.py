@@ -323,7 +323,6 @@ def test_a_read_only_folder_is_a_clear_error_and_the_cached_result_stays(small_d
 @pytest.mark.parametrize("server", ["closed port", "accepts and never answers"])
 def test_an_unreachable_server_at_start_is_a_clear_error_in_bounded_time(tmp_path, monkeypatch, capsys, setting, value,
                                                                          named, server):
-
     from flows.cli import main
     from tasks import servers
 
