@@ -8,13 +8,14 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 from bench import common, orchestration, preprocess, pruning, quality, sweeps, tracking, training
-from bench.common import machine
+from bench.common import machine, verdict
 
 SECTIONS = {"preprocess": preprocess.run, "training": training.run, "quality": quality.run, "pruning": pruning.run,
             "orchestration": orchestration.run, "tracking": tracking.run, "sweeps": sweeps.run}  # in this order
@@ -66,9 +67,21 @@ def main(argv: list[str] | None = None) -> int:
         "",
     ]
     ordered = [sections[n] for n in SECTIONS if n in sections]
+    header += [_total(ordered, None if args.only else time.perf_counter() - started, args.quick), ""]
     args.out.write_text("\n".join(header) + "\n" + "\n".join(ordered), encoding="utf-8")
     print(f"bench: wrote {args.out} in {time.perf_counter() - started:.0f}s")
     return 0
+
+
+def _total(sections: list[str], wall: float | None, quick: bool) -> str:
+    """The time of the whole run (after --only: the sum of every section's own time) against its target."""
+    own = sum(int(m) for text in sections for m in re.findall(r", in (\d+) s\._", text))
+    limit, target = (600, "ten minutes") if quick else (3600, "an hour")
+    if wall is None:
+        what, seconds = f"The sections' own times add up to {own / 60:.0f} min ({own} s; some were re-measured with --only)", own
+    else:
+        what, seconds = f"This run took {wall / 60:.0f} min ({wall:.0f} s, of which the sections {own} s)", wall
+    return f"{what}; target under {target} on 2 cores: {verdict(seconds < limit)}."
 
 
 def _existing_sections(path: Path) -> dict[str, str]:

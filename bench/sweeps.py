@@ -19,7 +19,7 @@ from bench.common import verdict
 from training.config import apply_overrides, preset
 
 TRIALS = 5
-TEXTS = 2000
+TEXTS = 1500
 
 
 def _sweep(config, pruner: str, tmp: Path, trials: int, seed: int) -> dict:

@@ -72,7 +72,7 @@ def run(quick: bool, repeats: int) -> str:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         cfg = preset("default")
-        data = cfg.data.model_copy(update={"max_samples": quick_size(1000, 400) if quick else 3000})
+        data = cfg.data.model_copy(update={"max_samples": quick_size(1000, 400) if quick else 2000})
         manifest = prepare_dataset(data, cfg.preprocess, tmp / "prepared")
         rows = []
         findings = []

@@ -23,3 +23,19 @@ def test_smoke_bench_writes_every_section(tmp_path):
         assert heading in report
     assert "Machine:" in report and report.count("**met**") + report.count("**missed**") >= 9
     assert "TF-IDF char 1-3 grams + linear SVM" in report and "inflation" in report
+    assert "This run took" in report and "target under ten minutes on 2 cores" in report
+
+
+@pytest.mark.parametrize(("wall", "quick", "expected"), [
+    (None, False, "The sections' own times add up to 52 min (3100 s; some were re-measured with --only); "
+                  "target under an hour on 2 cores: **met**."),
+    (3700.4, False, "This run took 62 min (3700 s, of which the sections 3100 s); target under an hour on 2 cores: **missed**."),
+    (None, True, "The sections' own times add up to 52 min (3100 s; some were re-measured with --only); "
+                 "target under ten minutes on 2 cores: **missed**."),
+])
+def test_report_states_the_run_time_against_its_target(wall, quick, expected):
+    from bench.__main__ import _total
+
+    sections = ["## A\n\n_Measured by `python -m bench --only a` (or a full run) on 2026-11-30 09:30 UTC, in 1000 s._\n",
+                "## B\n\nrow in 7 s. here\n\n_Measured by `python -m bench --only b` (or a full run) on 2026-11-30, in 2100 s._\n"]
+    assert _total(sections, wall, quick) == expected

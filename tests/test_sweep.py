@@ -225,3 +225,39 @@ def test_trials_left_running_by_an_interrupted_sweep_are_redone_first(tmp_path):
     assert again.suggest_float("train.lr", 1e-3, 1e-2) == lr and again.user_attrs["zhflow_retry_of"] == lost.number
     assert [t.state.name for t in resumed.trials] == ["FAIL", "COMPLETE", "RUNNING"]
     assert recover_interrupted(optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'optuna.db'}")) == [2]
+
+
+def test_trials_are_submitted_as_slots_free_up(prefect_server):
+    """At most ``parallel`` trial tasks exist at once, so none sits polling for the concurrency slot; the next one starts
+    as soon as one ends, and results come back in submission order."""
+    import time
+
+    from prefect import flow, task
+
+    from flows.sweep import _in_window
+
+    events, lock = [], threading.Lock()
+
+    @task
+    def work(slot: int) -> int:
+        with lock:
+            events.append(("start", slot, time.monotonic()))
+        time.sleep(0.4 if slot % 2 else 0.2)
+        with lock:
+            events.append(("end", slot, time.monotonic()))
+        return slot * 10
+
+    @flow
+    def window(count: int, width: int) -> list:
+        return _in_window(lambda slot: work.submit(slot), count, width)
+
+    assert window(5, 2) == [0, 10, 20, 30, 40]
+    running, most = 0, 0
+    for kind, _, _ in sorted(events, key=lambda e: e[2]):
+        running += 1 if kind == "start" else -1
+        most = max(most, running)
+    assert most == 2  # both slots used, never a third
+    starts = {slot: t for kind, slot, t in events if kind == "start"}
+    ends = sorted(t for kind, _, t in events if kind == "end")
+    for later in range(2, 5):  # each later trial began within a second of the end that freed its slot
+        assert 0 <= starts[later] - ends[later - 2] < 1.0
