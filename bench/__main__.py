@@ -80,7 +80,7 @@ def _total(sections: list[str], wall: float | None, quick: bool) -> str:
     if wall is None:
         what, seconds = f"The sections' own times add up to {own / 60:.0f} min ({own} s; some were re-measured with --only)", own
     else:
-        what, seconds = f"This run took {wall / 60:.0f} min ({wall:.0f} s, of which the sections {own} s)", wall
+        what, seconds = f"This run took {wall / 60:.0f} min ({wall:.0f} s)", wall
     return f"{what}; target under {target} on 2 cores: {verdict(seconds < limit)}."
 
 

@@ -67,6 +67,15 @@ def _pipeline_model(quick: bool, settings: dict | None = None) -> dict | None:
         return json.loads(summary.read_text())
 
 
+def _optimism(champion: dict, test_f1: float) -> str:
+    """What the sweeps' best validation score promised against what its settings gave on the full split."""
+    n, val = champion["sweeps"] * champion["trials"], round(champion["texts"] * default().data.val_ratio)
+    return (f"That validation macro-F1 ({champion['val_macro_f1']:.4f}) is the best of {n} trials, each scored on about {val} "
+            f"validation texts (the sweeps section samples {champion['texts']:,} texts to stay within the hour): the maximum of "
+            f"{n} noisy estimates, {100 * (champion['val_macro_f1'] - test_f1):+.1f} points above what these settings score "
+            f"on the full split's test texts.")
+
+
 def run(quick: bool, repeats: int) -> str:
     cfg = default()
     if common.SMOKE:
@@ -120,6 +129,7 @@ def run(quick: bool, repeats: int) -> str:
         lines += ["", f"Best sweep settings: trial {champion['trial']} of the sweeps section (seed {champion['seed']}, pruner "
                   f"{champion['pruner']}; the best validation macro-F1, {champion['val_macro_f1']:.4f}, of its {champion['sweeps']} sweeps "
                   f"on {champion['texts']:,} texts), trained again by `zhflow run --set ...` on this split: {settings}."]
+        lines += ["", _optimism(champion, tuned["metrics"]["test_macro_f1"])]
     elif not quick:
         lines += ["", f"No sweep champion yet ({common.SWEEP_CHAMPION} is written by a full sweeps section): "
                   "`python -m bench --only sweeps,quality` adds it."]
