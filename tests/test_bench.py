@@ -39,3 +39,12 @@ def test_report_states_the_run_time_against_its_target(wall, quick, expected):
     sections = ["## A\n\n_Measured by `python -m bench --only a` (or a full run) on 2026-11-30 09:30 UTC, in 1000 s._\n",
                 "## B\n\nrow in 7 s. here\n\n_Measured by `python -m bench --only b` (or a full run) on 2026-11-30, in 2100 s._\n"]
     assert _total(sections, wall, quick) == expected
+
+
+@pytest.mark.parametrize(("f1", "word"), [(0.8260, "**missed**"), (0.8700, "**met**")])
+def test_quality_section_gives_the_sweep_target_a_verdict(f1, word):
+    from bench.quality import _gap
+
+    line = _gap("model with the best sweep settings", f1, 0.8671, 0.8671, target=True)
+    assert line.endswith(f"({f1:.4f} against 0.8671): {word}.")
+    assert "Target" not in _gap("default preset's model", f1, 0.8671, 0.8671, target=False)
