@@ -5,8 +5,9 @@ holds (step, epoch). Writes go to a temporary file in the same folder, are
 fsynced, then renamed, so a crash mid-write leaves the previous file intact.
 The sidecar is written first and keeps the previous file's digest too until
 the new file is in place: a crash between the renames leaves the previous
-checkpoint, which still matches, so there is always one that loads. Loads use ``weights_only=True``
-and only after the digest matches: a checkpoint cannot run code.
+checkpoint, which still matches, so there is always one that loads. Loads use
+``weights_only=True`` and only after the digest matches: a checkpoint cannot
+run code.
 
 The model weights (the ``model`` entry) are stored compressed where pruning left zeros: a tensor with enough
 zeros to save space is kept as a bitmap of its non-zeros plus their values, so an 80% sparse model takes
@@ -92,7 +93,7 @@ def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any], **meta: An
     digest = hashlib.sha256(data).hexdigest()
     sidecar = path.with_name(path.name + ".json")
     entry = {"sha256": digest, "bytes": len(data), **meta}
-    current = _read_sidecar(sidecar) or {} if path.is_file() else {}
+    current = (_read_sidecar(sidecar) or {}) if path.is_file() else {}
     if current:  # the file now on disk, whole: its entry is kept until the new file is in place
         on_disk = hashlib.sha256(path.read_bytes()).hexdigest()
         for known in (current, current.get("previous") or {}):  # after a cut-short write, the "previous" one
