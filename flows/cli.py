@@ -323,27 +323,48 @@ def _print_evaluation(summary: dict) -> None:
     Console().print(table)
 
 
+STOP_REASONS = {"converged": "converged", "max_epochs": "the maximum of epochs (train.epochs)",
+                "timeout": "the time budget (train.timeout_minutes)"}
+
+
 def _print_summary(summary: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
+    m = summary["metrics"]
+    candidates = Table(title="candidates (chosen by validation macro-F1; test only scores them)")
+    for column in ("candidate", "val macro-F1", "test macro-F1", "test accuracy", ""):
+        candidates.add_column(column)
+    for name, c in summary["candidates"].items():
+        candidates.add_row(name, f"{c['val_macro_f1']:.4f}", f"{c['test_macro_f1']:.4f}", f"{c['test_accuracy']:.4f}",
+                           "registered" if name == summary["selected"] else "")
+    candidates.add_row("reference: char TF-IDF + SVM", "", f"{m['baseline_test_macro_f1']:.4f}",
+                       f"{m['baseline_test_accuracy']:.4f}", "")
+    console.print(candidates)
     table = Table(title="zhflow run", show_header=False)
     table.add_column(style="bold")
     table.add_column()
-    m = summary["metrics"]
     for key in ("test_accuracy", "test_macro_f1", "test_macro_precision", "test_macro_recall"):
-        table.add_row(key, f"{m[key]:.4f}  (before pruning {m['trained_' + key]:.4f})")
-    table.add_row("baseline", f"TF-IDF char 1-3 grams + linear SVM: test_macro_f1 {m['baseline_test_macro_f1']:.4f}")
-    table.add_row("pruning", f"sparsity {summary['sparsity']['before']:.2f} -> {summary['sparsity']['after']:.2f}; "
-                  f"{m['prune_after_params']:,.0f} parameters; file {m['prune_file_size_ratio']:.2f}x smaller; "
-                  f"batch-64 CPU latency {m['prune_after_latency_b64_p50_ms']:.1f} ms ({m['prune_speedup_b64']:.2f}x)")
+        table.add_row(key, f"{m[key]:.4f}  ({summary['selected']})")
+    if training := summary.get("training"):
+        stopped = (f"{training['epochs_run']} epochs, best {training['best_epoch']}; stopped: "
+                   f"{STOP_REASONS[training['stop_reason']]}")
+        if training["still_improving"]:
+            stopped += "  [bold yellow]WARNING: validation was still improving; raise train.epochs[/]"
+        table.add_row("neural training", stopped)
+        table.add_row("pruning", f"test_macro_f1 {m['trained_test_macro_f1']:.4f} -> {m['neural_test_macro_f1']:.4f}; "
+                      f"sparsity {summary['sparsity']['before']:.2f} -> {summary['sparsity']['after']:.2f}; "
+                      f"{m['prune_after_params']:,.0f} parameters; file {m['prune_file_size_ratio']:.2f}x smaller; "
+                      f"batch-64 CPU latency {m['prune_after_latency_b64_p50_ms']:.1f} ms ({m['prune_speedup_b64']:.2f}x)")
     table.add_row("experiment", summary["experiment"])
     table.add_row("parent run", summary["parent_run_id"])
     for stage, run_id in summary["stage_runs"].items():
         table.add_row(f"  {stage}", run_id)
     model = summary["model"]
-    table.add_row("model", f"{model['uri']}  alias: {model['alias']}")
+    table.add_row("model", f"{model['uri']}  ({model['kind']})  alias: {model['alias']}")
+    if model.get("reason"):
+        table.add_row("", model["reason"])
     table.add_row("prepared data", summary["prepared_data"] + ("  (cached)" if summary.get("preprocess_cached") else ""))
     bin_dir = Path(sys.executable).parent
     table.add_row("MLflow UI", _mlflow_ui())

@@ -1,4 +1,5 @@
-"""The ``train_pipeline`` flow: preprocess -> train -> evaluate -> baseline -> prune + fine-tune (rounds) -> evaluate -> register.
+"""The ``train_pipeline`` flow: preprocess -> train -> evaluate -> baseline -> prune + fine-tune (rounds) -> evaluate
+-> linear -> ensemble -> select (best validation macro-F1) -> register.
 
     zhflow run --preset tiny                          # from the shell
     python -c "from flows.pipeline import train_pipeline; from training.config import tiny; train_pipeline(tiny())"
@@ -14,6 +15,7 @@ from prefect.runtime import flow_run
 from training.config import ExperimentName, PipelineConfig, PresetName, default, on_preset
 from training.paths import check_config_paths
 from tasks.baseline import baseline_model
+from tasks.candidates import ensemble_candidate, linear_candidate, select_candidate
 from tasks.evaluate import evaluate_model
 from tasks.preprocess import preprocess
 from tasks.prune import prune_report, prune_round
@@ -50,9 +52,44 @@ def train_pipeline(config: PipelineConfig = default(), experiment: ExperimentNam
     check_config_paths(config)  # a path from the form may not leave the allowed folders
     parent = open_pipeline_run(config, experiment)
     prepared = preprocess(config.data, config.preprocess, config.augment, parent)
+    stage_runs, metrics, neural = {"preprocess": prepared["run_id"]}, {}, None
+    baseline = baseline_model(config, prepared, parent)
+    if "neural" in config.select.candidates:
+        neural, stages, neural_metrics, prune_rounds, sparsity = train_neural(config, prepared, parent)
+        stage_runs |= stages
+        metrics |= neural_metrics
+    stage_runs["baseline"] = baseline["run_id"]
+    chosen, candidates = choose_candidate(config, neural, prepared, parent)
+    stage_runs |= {name: c["run_id"] for name, c in candidates.items() if name != "neural"}
+    model = register_model(config, chosen, prepared, parent, slot=slot["key"])
+    stage_runs["register"] = model["run_id"]
+    metrics = ({k: v for k, v in chosen["metrics"].items() if k.startswith("test_")} | metrics
+               | {f"baseline_{k}": v for k, v in baseline["metrics"].items()}
+               | {f"{name}_{k}": v for name, c in candidates.items() for k, v in c["metrics"].items()
+                  if k in ("test_macro_f1", "test_accuracy", "val_macro_f1")})
+    close_pipeline_run(parent, metrics, {"model_version": model["version"], "alias": model["alias"],
+                                         "registered_model": model["name"], "selected_candidate": chosen["name"]})
+    return {
+        "experiment": parent["experiment"],
+        "parent_run_id": parent["run_id"],
+        "stage_runs": stage_runs,
+        "prune_rounds": prune_rounds if neural else [],
+        "metrics": metrics,
+        "candidates": {name: {"val_macro_f1": c["metrics"]["val_macro_f1"], "test_macro_f1": c["metrics"]["test_macro_f1"],
+                              "test_accuracy": c["metrics"]["test_accuracy"]} for name, c in candidates.items()},
+        "selected": chosen["name"],
+        "training": {k: neural["trained"][k] for k in ("stop_reason", "still_improving", "epochs_run", "best_epoch")} if neural else None,
+        "model": {k: model[k] for k in ("name", "version", "uri", "alias", "kind")} | {"reason": model.get("alias_reason")},
+        "prepared_data": prepared["path"],
+        "preprocess_cached": prepared["cached"],
+        "sparsity": sparsity if neural else None,
+    }
+
+
+def train_neural(config: PipelineConfig, prepared: dict, parent: dict) -> tuple[dict, dict, dict, list, dict]:
+    """The neural candidate: train, evaluate, prune + fine-tune in rounds, evaluate again, the before/after report."""
     trained = with_limits(train_model, config.train)(config, prepared, parent)
     evaluated_trained = evaluate_model(config, trained["best_checkpoint"], prepared, parent, stage="evaluate_trained")
-    baseline = baseline_model(config, prepared, parent)
     prune_parent = open_stage_run(parent, "prune")
     current, rounds = trained["best_checkpoint"], []
     if config.prune.amount > 0:
@@ -62,22 +99,21 @@ def train_pipeline(config: PipelineConfig = default(), experiment: ExperimentNam
             current = done["checkpoint"]
     evaluated = evaluate_model(config, current, prepared, parent, stage="evaluate")
     pruning = prune_report(config, trained, evaluated_trained, rounds, evaluated, prepared, prune_parent)
-    model = register_model(config, evaluated, prepared, parent, slot=slot["key"])
-    metrics = (evaluated["metrics"] | {f"trained_{k}": v for k, v in evaluated_trained["metrics"].items()}
-               | {f"baseline_{k}": v for k, v in baseline["metrics"].items()}
+    stages = {"train": trained["run_id"], "evaluate_trained": evaluated_trained["run_id"], "prune": pruning["run_id"],
+              "evaluate": evaluated["run_id"]}
+    metrics = ({"sparsity_prunable": evaluated["metrics"]["sparsity_prunable"]}
+               | {f"trained_{k}": v for k, v in evaluated_trained["metrics"].items()}
                | {f"prune_{k}": pruning["metrics"][k] for k in REPORTED})
-    close_pipeline_run(parent, metrics, {"model_version": model["version"], "alias": model["alias"]})
-    return {
-        "experiment": parent["experiment"],
-        "parent_run_id": parent["run_id"],
-        "stage_runs": {
-            "preprocess": prepared["run_id"], "train": trained["run_id"], "evaluate_trained": evaluated_trained["run_id"],
-            "baseline": baseline["run_id"], "prune": pruning["run_id"], "evaluate": evaluated["run_id"], "register": model["run_id"],
-        },
-        "prune_rounds": pruning["rounds"],
-        "metrics": metrics,
-        "model": {k: model[k] for k in ("name", "version", "uri", "alias")},
-        "prepared_data": prepared["path"],
-        "preprocess_cached": prepared["cached"],
-        "sparsity": {"before": pruning["metrics"]["before_sparsity_prunable"], "after": pruning["metrics"]["after_sparsity_prunable"]},
-    }
+    sparsity = {"before": pruning["metrics"]["before_sparsity_prunable"], "after": pruning["metrics"]["after_sparsity_prunable"]}
+    return {**evaluated, "trained": trained}, stages, metrics, pruning["rounds"], sparsity
+
+
+def choose_candidate(config: PipelineConfig, neural: dict | None, prepared: dict, parent: dict) -> tuple[dict, dict]:
+    """The candidates ``select.candidates`` asks for, and the one with the best validation macro-F1."""
+    wanted = config.select.candidates
+    candidates = {"neural": neural} if neural else {}
+    if "linear" in wanted:
+        candidates["linear"] = linear_candidate(config, prepared, parent)
+    if "ensemble" in wanted:
+        candidates["ensemble"] = ensemble_candidate(config, neural, candidates["linear"], prepared, parent)
+    return select_candidate(config, candidates, parent), candidates

@@ -7,6 +7,7 @@ was scored on another split, it is re-scored on this one before comparing.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -27,14 +28,29 @@ from prefect.concurrency.sync import concurrency
 from sklearn.metrics import f1_score
 
 import training
-from training.config import PipelineConfig
+from training.config import BUILTIN_DATASETS, PipelineConfig
 from training.data.prepare import load_manifest
 from training.inference import TextClassifier
 from tasks.schedule import SLOT_TAG
 from tasks.tracking import stage_run, work_root
 
 EXAMPLE = ["这本书非常好看，值得一读", "质量太差了，很失望"]
-F1_TAG, SPLIT_TAG = "test_macro_f1", "test_content_digest"
+F1_TAG, SPLIT_TAG, LABELS_TAG = "test_macro_f1", "test_content_digest", "zhflow.labels_digest"
+
+
+def labels_digest(labels: list[str]) -> str:
+    """Identifies a task's label set (order-free): models with different ones are never compared."""
+    return hashlib.sha256(json.dumps(sorted(labels), ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
+
+
+def registered_name(config: PipelineConfig, manifest: dict) -> str:
+    """``registry.model_name``, else one registered model per task, named from the dataset: ``zhflow-<name>``."""
+    if config.registry.model_name:
+        return config.registry.model_name
+    dataset = manifest["dataset"]["name"]
+    stem = dataset if dataset in BUILTIN_DATASETS else Path(dataset).stem
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", stem).strip("-.").lower()[:80]
+    return f"zhflow-{slug or 'dataset'}"
 
 
 def _requirements(config: PipelineConfig) -> list[str]:
@@ -77,8 +93,8 @@ def registry_lock(name: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _move_alias_locked(client: MlflowClient, name: str, version: str, f1: float, digest: str, prepared: dict | None
-                       ) -> tuple[str, str, float | None]:
+def _move_alias_locked(client: MlflowClient, name: str, version: str, f1: float, digest: str, prepared: dict | None,
+                       labels: str | None = None) -> tuple[str, str, float | None]:
     try:
         champion = client.get_model_version_by_alias(name, "champion")
     except MlflowException:
@@ -86,22 +102,29 @@ def _move_alias_locked(client: MlflowClient, name: str, version: str, f1: float,
     champion_f1 = None
     if champion is None:
         alias, reason = "champion", "first model"
+    elif labels is not None and champion.tags.get(LABELS_TAG, labels) != labels:
+        # another task's model under the same name: its score on this test split means nothing
+        alias, reason = "challenger", (
+            f"not compared: champion version {champion.version} of {name} was trained on another label set; "
+            "give each task its own registry.model_name (or leave it empty)")
     else:
         champion_f1 = _champion_f1_on(client, name, champion, prepared, digest)
+        # the same unrounded numbers on both sides: a model that only equals the champion does not replace it
         if f1 > champion_f1:
-            alias, reason = "champion", f"beats version {champion.version} ({f1:.4f} > {champion_f1:.4f})"
+            alias, reason = "champion", f"beats version {champion.version} ({f1!r} > {champion_f1!r})"
         else:
-            alias, reason = "challenger", f"does not beat version {champion.version} ({f1:.4f} <= {champion_f1:.4f})"
+            alias, reason = "challenger", f"does not beat version {champion.version} ({f1!r} <= {champion_f1!r})"
     client.set_registered_model_alias(name, alias, version)
     return alias, reason, champion_f1
 
 
-def move_alias(client: MlflowClient, name: str, version: str, f1: float, digest: str, prepared: dict | None = None
-               ) -> tuple[str, str, float | None]:
+def move_alias(client: MlflowClient, name: str, version: str, f1: float, digest: str, prepared: dict | None = None,
+               labels: str | None = None) -> tuple[str, str, float | None]:
     """Give ``version`` the alias ``champion`` if it beats the champion's test macro-F1 on the same test split (or there
-    is none), else ``challenger``; under the registry lock, so that the check and the move are one step."""
+    is none), else ``challenger``; under the registry lock, so that the check and the move are one step. A champion
+    of another label set (``labels``: :func:`labels_digest`) is not compared: the version becomes ``challenger``."""
     with registry_lock(name):
-        return _move_alias_locked(client, name, version, f1, digest, prepared)
+        return _move_alias_locked(client, name, version, f1, digest, prepared, labels)
 
 
 def version_for_slot(client: MlflowClient, name: str, slot: str):
@@ -123,30 +146,43 @@ def _slot_taken(client: MlflowClient, name: str, slot: str | None, result: dict)
             "alias": aliases[0] if aliases else None}
 
 
+def _artifacts(config: PipelineConfig, candidate: dict, prepared: dict, manifest: dict, tmp: Path) -> dict[str, str]:
+    """What the served model carries for this candidate (training.inference.TextClassifier reads it)."""
+    kind = candidate.get("kind", "neural")
+    meta = tmp / "meta.json"
+    meta.write_text(json.dumps({"labels": manifest["labels"], "preprocess": config.preprocess.model_dump(), "kind": kind,
+                                "weight": candidate.get("weight", 1.0 if kind == "neural" else 0.0)}, ensure_ascii=False))
+    artifacts = {"meta": str(meta), "vocab": str(Path(prepared["path"]) / "vocab.json")}
+    if kind in ("neural", "ensemble"):
+        checkpoint = tmp / "model.pt"
+        shutil.copy(candidate["checkpoint"], checkpoint)
+        shutil.copy(candidate["checkpoint"] + ".json", str(checkpoint) + ".json")
+        artifacts |= {"checkpoint": str(checkpoint), "checkpoint_sidecar": str(checkpoint) + ".json",
+                      "char_vocab": str(Path(prepared["path"]) / "char_vocab.json")}
+    if kind in ("linear", "ensemble"):
+        artifacts["linear"] = candidate["linear_dir"]
+    for key in ("user_dict", "stopwords_file"):
+        if getattr(config.preprocess, key):
+            artifacts[key] = getattr(config.preprocess, key)
+    return artifacts
+
+
 @task(name="register")
 def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, parent: dict, slot: str | None = None) -> dict:
-    """Log the pyfunc model and register it. ``slot`` (a scheduled run's ``DEPLOYMENT@TIME``): a version already
-    registered for that slot (a retried or re-run scheduled run) is returned instead of registering a second one."""
+    """Log the pyfunc model of candidate ``evaluated`` (neural, linear or ensemble: its ``kind``) and register it.
+    ``slot`` (a scheduled run's ``DEPLOYMENT@TIME``): a version already registered for that slot (a retried or re-run
+    scheduled run) is returned instead of registering a second one."""
     logger = get_run_logger()
-    name = config.registry.model_name
     manifest = load_manifest(prepared["path"])
+    name = registered_name(config, manifest)
     digest = manifest["splits"]["test"]["content_digest"]
+    labels = labels_digest(manifest["labels"])
     f1 = evaluated["metrics"]["test_macro_f1"]
+    kind = evaluated.get("kind", "neural")
     with stage_run(parent, "register") as run, tempfile.TemporaryDirectory() as tmp:
         if config.registry.enabled and (earlier := _slot_taken(MlflowClient(), name, slot, {"run_id": run.info.run_id})):
             return earlier  # checked again under the lock below; this only saves logging a model for nothing
-        meta = Path(tmp) / "meta.json"
-        meta.write_text(json.dumps({"labels": manifest["labels"], "preprocess": config.preprocess.model_dump()},
-                                   ensure_ascii=False))
-        checkpoint = Path(tmp) / "model.pt"
-        shutil.copy(evaluated["checkpoint"], checkpoint)
-        shutil.copy(evaluated["checkpoint"] + ".json", str(checkpoint) + ".json")
-        artifacts = {"checkpoint": str(checkpoint), "checkpoint_sidecar": str(checkpoint) + ".json",
-                     "vocab": str(Path(prepared["path"]) / "vocab.json"),
-                     "char_vocab": str(Path(prepared["path"]) / "char_vocab.json"), "meta": str(meta)}
-        for key in ("user_dict", "stopwords_file"):
-            if getattr(config.preprocess, key):
-                artifacts[key] = getattr(config.preprocess, key)
+        artifacts = _artifacts(config, evaluated, prepared, manifest, Path(tmp))
         classifier = TextClassifier()
         classifier.load_context(type("Ctx", (), {"artifacts": artifacts})())
         # an unnamed string column: a plain list of texts, a Series or a DataFrame (column "text") all work
@@ -155,19 +191,23 @@ def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, pare
             name="model", python_model=str(Path(training.__file__).parent / "pyfunc_model.py"), artifacts=artifacts, signature=signature, input_example=EXAMPLE,
             pip_requirements=_requirements(config), code_paths=[str(Path(training.__file__).parent)],
         )
-        result = {"name": name, "version": None, "uri": info.model_uri, "alias": None, "run_id": run.info.run_id}
+        mlflow.set_tag("candidate", kind)
+        result = {"name": name, "version": None, "uri": info.model_uri, "alias": None, "run_id": run.info.run_id, "kind": kind}
         if not config.registry.enabled:
             return result
         client = MlflowClient()
-        tags = {F1_TAG: f"{f1:.6f}", SPLIT_TAG: digest, "parent_run_id": parent["run_id"]} | ({SLOT_TAG: slot} if slot else {})
+        # repr: the exact float, so that the next run compares the same number (a rounded tag made ties "win")
+        tags = ({F1_TAG: repr(float(f1)), SPLIT_TAG: digest, LABELS_TAG: labels, "candidate": kind,
+                 "parent_run_id": parent["run_id"]} | ({SLOT_TAG: slot} if slot else {}))
         with registry_lock(name):  # the slot check, the registration and the alias move are one step
             if earlier := _slot_taken(client, name, slot, result):
                 return earlier
             # waits until the version is READY, so no alias ever points at a version still being created
             version = mlflow.register_model(info.model_uri, name, tags=tags).version
-            alias, reason, champion_f1 = _move_alias_locked(client, name, str(version), f1, digest, prepared)
+            alias, reason, champion_f1 = _move_alias_locked(client, name, str(version), f1, digest, prepared, labels)
         if champion_f1 is not None:
             mlflow.log_metric("champion_test_macro_f1", champion_f1)
         mlflow.set_tags({"registered_model": name, "model_version": str(version), "alias": alias, "alias_reason": reason})
-        logger.info("registered %s version %s as %s: %s", name, version, alias, reason)
-        return {**result, "version": str(version), "uri": f"models:/{name}/{version}", "alias": alias}
+        (logger.warning if reason.startswith("not compared") else logger.info)(
+            "registered %s version %s as %s: %s", name, version, alias, reason)
+        return {**result, "version": str(version), "uri": f"models:/{name}/{version}", "alias": alias, "alias_reason": reason}

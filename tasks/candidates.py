@@ -1,0 +1,100 @@
+"""The run's other candidates and the choice among them: ``linear`` (TF-IDF + logistic regression, fitted here, no
+torchrun), ``ensemble`` (neural and linear averaged) and ``select`` (the best validation macro-F1 wins).
+
+Each candidate's stage run carries the same test metrics and plots as the ``evaluate`` run, plus ``val_macro_f1``;
+the parent run gets every candidate's scores side by side and a ``candidates.md`` table.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pandas as pd
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+
+from training.config import PipelineConfig
+from training.data.prepare import load_manifest
+from training.linear import fit_linear, split_inputs
+from training.metrics import log_evaluation
+from training.select import choose_weight, cross_fitted_f1, pick
+from tasks.evaluate import save_probs
+from tasks.tracking import stage_run
+
+TITLES = {"neural": "neural ({family}, after pruning)", "linear": "linear (TF-IDF char 1-3 + word 1-2 grams, logistic regression)",
+          "ensemble": "ensemble (neural and linear averaged)"}
+
+
+def _test_texts(prepared: dict) -> list[str]:
+    return pd.read_json(Path(prepared["path"]) / "test.jsonl", lines=True, dtype=False)["text"].tolist()
+
+
+@task(name="linear")
+def linear_candidate(config: PipelineConfig, prepared: dict, parent: dict) -> dict:
+    """Fit the linear family on the train split (C chosen on val), score val and test, save it as plain files."""
+    with stage_run(parent, "linear") as run:
+        manifest = load_manifest(prepared["path"])
+        train, val, test = (split_inputs(prepared["path"], s) for s in ("train", "val", "test"))
+        started = time.perf_counter()
+        model, c_scores = fit_linear(train, val, len(manifest["labels"]), config.linear.c_values,
+                                     None if config.linear.class_weights == "none" else "balanced")
+        mlflow.log_params({"linear.C": model.c, "linear.class_weights": config.linear.class_weights,
+                           "linear.features": len(model.char.vocabulary_) + len(model.word.vocabulary_),
+                           "linear.train_texts": len(train.labels)})
+        mlflow.log_metric("fit_seconds", time.perf_counter() - started)
+        for c, score in c_scores.items():
+            mlflow.log_metric("val_macro_f1_by_c", score, step=int(round(c * 1000)))  # step: C x 1000
+        folder = Path(parent["work_dir"]) / "linear"
+        model.save(folder / "model")
+        probs = {"val": model.predict_proba(val.clean, val.tokens), "test": model.predict_proba(test.clean, test.tokens)}
+        metrics = log_evaluation(test.labels, probs["test"], manifest["labels"], _test_texts(prepared), "linear: test")
+        metrics["val_macro_f1"] = c_scores[model.c]
+        mlflow.log_metric("val_macro_f1", metrics["val_macro_f1"])
+        return {"kind": "linear", "metrics": metrics, "run_id": run.info.run_id, "linear_dir": str(folder / "model"),
+                "probs": save_probs(folder, probs), "C": model.c}
+
+
+@task(name="ensemble")
+def ensemble_candidate(config: PipelineConfig, neural: dict, linear: dict, prepared: dict, parent: dict) -> dict:
+    """Average the two models' probabilities with the neural weight that scores best on val; test only scores it."""
+    with stage_run(parent, "ensemble") as run:
+        manifest = load_manifest(prepared["path"])
+        val_labels = np.load(Path(prepared["path"]) / "val.labels.npy")
+        test_labels = np.load(Path(prepared["path"]) / "test.labels.npy")
+        val = {k: np.load(c["probs"]["val"]) for k, c in (("neural", neural), ("linear", linear))}
+        weight, val_f1 = choose_weight(val["neural"], val["linear"], val_labels)
+        honest = cross_fitted_f1(val["neural"], val["linear"], val_labels, seed=config.data.seed)
+        test = weight * np.load(neural["probs"]["test"]) + (1 - weight) * np.load(linear["probs"]["test"])
+        mlflow.log_params({"ensemble.neural_weight": weight, "ensemble.weight_chosen_on": "val"})
+        metrics = log_evaluation(test_labels, test, manifest["labels"], _test_texts(prepared), "ensemble: test")
+        # what the choice compares: the cross-fitted score (the weight never chosen on the texts it is scored on)
+        metrics |= {"val_macro_f1": honest, "val_macro_f1_at_chosen_weight": val_f1}
+        mlflow.log_metrics({"val_macro_f1": honest, "val_macro_f1_at_chosen_weight": val_f1})
+        return {"kind": "ensemble", "metrics": metrics, "run_id": run.info.run_id, "weight": weight,
+                "checkpoint": neural["checkpoint"], "linear_dir": linear["linear_dir"]}
+
+
+@task(name="select")
+def select_candidate(config: PipelineConfig, candidates: dict[str, dict], parent: dict) -> dict:
+    """The candidate with the best validation macro-F1 (never test), every candidate's scores in the parent run."""
+    val_scores = {name: c["metrics"]["val_macro_f1"] for name, c in candidates.items()}
+    chosen = pick(val_scores)
+    client = mlflow.MlflowClient()
+    rows = ["| candidate | val macro-F1 | test macro-F1 | test accuracy | |", "|---|---|---|---|---|"]
+    for name, c in candidates.items():
+        m = c["metrics"]
+        for key in ("val_macro_f1", "test_macro_f1", "test_accuracy"):
+            client.log_metric(parent["run_id"], f"{name}_{key}", m[key])
+        title = TITLES[name].format(family=config.model.name)
+        rows.append(f"| {title} | {m['val_macro_f1']:.4f} | {m['test_macro_f1']:.4f} | {m['test_accuracy']:.4f} | "
+                    f"{'**registered**' if name == chosen else ''} |")
+    table = "\n".join(rows) + "\n\nChosen by validation macro-F1; the test split only scores the choice.\n"
+    client.log_text(parent["run_id"], table, "candidates.md")
+    client.set_tag(parent["run_id"], "selected_candidate", chosen)
+    create_markdown_artifact(table, key="candidates", description="every candidate's scores; the registered one marked")
+    get_run_logger().info("candidates (val macro-F1): %s; registering %s",
+                          ", ".join(f"{k} {v:.4f}" for k, v in val_scores.items()), chosen)
+    return {**candidates[chosen], "name": chosen}

@@ -1,0 +1,135 @@
+"""The ``linear`` family: TF-IDF over character 1-3 grams and word 1-2 grams, then logistic regression.
+
+Fitted in the pipeline's own process on the train split (no torchrun), its regularisation ``C`` chosen on the
+validation split. Saved as plain files, no pickle: the vocabularies and settings as JSON, idf and coefficients as
+``.npy``; :meth:`LinearModel.load` rebuilds the same scikit-learn objects, so the probabilities are identical.
+
+    from training.linear import LinearModel, fit_linear, split_inputs
+    train, val = split_inputs(prepared_dir, "train"), split_inputs(prepared_dir, "val")
+    model = fit_linear(train, val, num_classes=2, c_values=[1, 4, 16])
+    model.save("linear/")
+    LinearModel.load("linear/").predict_proba(["质量很好"], [["质量", "很", "好"]])
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+from sklearn.feature_extraction.text import TfidfVectorizer
+from sklearn.linear_model import LogisticRegression
+from sklearn.metrics import f1_score
+
+SEP = "\x1f"  # joins a text's word tokens: no token contains it (normalisation removes control characters)
+FORMAT_VERSION = 1
+
+
+def _split_tokens(joined: str) -> list[str]:
+    return joined.split(SEP) if joined else []
+
+
+# the vectorizers' settings, as saved; the word analyzer's tokenizer is code, added back on load
+CHAR_PARAMS = {"analyzer": "char", "ngram_range": [1, 3], "sublinear_tf": True, "min_df": 2, "lowercase": False,
+               "dtype": "float64"}
+WORD_PARAMS = {"analyzer": "word", "ngram_range": [1, 2], "sublinear_tf": True, "min_df": 2, "lowercase": False,
+               "token_pattern": None, "dtype": "float64"}
+
+
+def _vectorizer(params: dict, vocabulary: dict | None = None) -> TfidfVectorizer:
+    kwargs = dict(params, ngram_range=tuple(params["ngram_range"]), dtype=np.dtype(params["dtype"]))
+    if params["analyzer"] == "word":
+        kwargs["tokenizer"] = _split_tokens
+    return TfidfVectorizer(**kwargs, vocabulary=vocabulary)
+
+
+@dataclass
+class SplitInputs:
+    """What the linear family reads of one split: cleaned texts, their word tokens (as in the prepared vocabulary,
+    rare ones as ``<unk>``) and label indices. Augmented copies are left out: they are token lists, not texts."""
+
+    clean: list[str]
+    tokens: list[list[str]]
+    labels: np.ndarray
+
+
+def split_inputs(prepared_dir: str | Path, split: str) -> SplitInputs:
+    root = Path(prepared_dir)
+    rows = pd.read_json(root / f"{split}.jsonl", lines=True, dtype=False)
+    vocab = json.loads((root / "vocab.json").read_text(encoding="utf-8"))
+    ids, offsets = np.load(root / f"{split}.ids.npy"), np.load(root / f"{split}.offsets.npy")
+    labels = np.load(root / f"{split}.labels.npy")
+    keep = ~rows["augmented"].fillna(False).astype(bool).to_numpy() if "augmented" in rows else np.ones(len(rows), bool)
+    index = np.flatnonzero(keep)
+    tokens = [[vocab[t] for t in ids[offsets[i]:offsets[i + 1]]] for i in index]
+    return SplitInputs([rows["clean"].iloc[i] for i in index], tokens, labels[index])
+
+
+class LinearModel:
+    """Fitted vectorizers and classifier; ``classes`` are label indices 0..n-1."""
+
+    def __init__(self, char: TfidfVectorizer, word: TfidfVectorizer, classifier: LogisticRegression, c: float):
+        self.char, self.word, self.classifier, self.c = char, word, classifier, c
+
+    def features(self, clean: Sequence[str], tokens: Sequence[Sequence[str]]) -> sp.csr_matrix:
+        words = [SEP.join(t) for t in tokens]
+        return sp.hstack([self.char.transform(list(clean)), self.word.transform(words)], format="csr")
+
+    def predict_proba(self, clean: Sequence[str], tokens: Sequence[Sequence[str]]) -> np.ndarray:
+        if not len(clean):
+            return np.zeros((0, len(self.classifier.classes_)))
+        return self.classifier.predict_proba(self.features(clean, tokens))
+
+    def save(self, folder: str | Path) -> Path:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        meta = {"format_version": FORMAT_VERSION, "C": self.c, "classes": [int(c) for c in self.classifier.classes_],
+                "char": {"params": CHAR_PARAMS, "vocabulary": {t: int(i) for t, i in self.char.vocabulary_.items()}},
+                "word": {"params": WORD_PARAMS, "vocabulary": {t: int(i) for t, i in self.word.vocabulary_.items()}}}
+        (folder / "linear.json").write_text(json.dumps(meta, ensure_ascii=False), encoding="utf-8")
+        np.save(folder / "char_idf.npy", self.char.idf_)
+        np.save(folder / "word_idf.npy", self.word.idf_)
+        np.save(folder / "coef.npy", self.classifier.coef_)
+        np.save(folder / "intercept.npy", self.classifier.intercept_)
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "LinearModel":
+        folder = Path(folder)
+        meta = json.loads((folder / "linear.json").read_text(encoding="utf-8"))
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{folder}: linear model format {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
+        char = _vectorizer(meta["char"]["params"], meta["char"]["vocabulary"])
+        word = _vectorizer(meta["word"]["params"], meta["word"]["vocabulary"])
+        char.idf_ = np.load(folder / "char_idf.npy", allow_pickle=False)
+        word.idf_ = np.load(folder / "word_idf.npy", allow_pickle=False)
+        classifier = LogisticRegression(C=meta["C"])
+        classifier.classes_ = np.asarray(meta["classes"])
+        classifier.coef_ = np.load(folder / "coef.npy", allow_pickle=False)
+        classifier.intercept_ = np.load(folder / "intercept.npy", allow_pickle=False)
+        return cls(char, word, classifier, meta["C"])
+
+
+def fit_linear(train: SplitInputs, val: SplitInputs, num_classes: int, c_values: Sequence[float] = (1.0, 4.0, 16.0),
+               class_weight: str | None = "balanced", max_iter: int = 2000) -> tuple[LinearModel, dict[float, float]]:
+    """Fit the vectorizers on ``train`` and one logistic regression per ``C``; keep the one with the best validation
+    macro-F1 (ties: the smaller, more regularised C). Returns the model and ``{C: val macro-F1}``."""
+    char, word = _vectorizer(CHAR_PARAMS), _vectorizer(WORD_PARAMS)
+    x_train = sp.hstack([char.fit_transform(train.clean), word.fit_transform([SEP.join(t) for t in train.tokens])], format="csr")
+    probe = LinearModel(char, word, LogisticRegression(), 0.0)
+    x_val = probe.features(val.clean, val.tokens)
+    scores, best = {}, None
+    for c in sorted(c_values):
+        classifier = LogisticRegression(C=c, max_iter=max_iter, class_weight=class_weight).fit(x_train, train.labels)
+        # kept (and saved) in float32: half the size for many classes; scored as saved, so a loaded copy is identical
+        classifier.coef_ = classifier.coef_.astype(np.float32)
+        if len(classifier.classes_) != num_classes:
+            raise ValueError(f"the train split holds {len(classifier.classes_)} of {num_classes} classes")
+        scores[c] = float(f1_score(val.labels, classifier.predict(x_val), average="macro"))
+        if best is None or scores[c] > scores[best[0]]:
+            best = (c, classifier)
+    return LinearModel(char, word, best[1], best[0]), scores
