@@ -14,11 +14,13 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench import common, orchestration, preprocess, pruning, quality, sweeps, tracking, training
+from bench import common, defaults, orchestration, preprocess, pruning, quality, sweeps, tracking, training
 from bench.common import machine, verdict
 
 SECTIONS = {"preprocess": preprocess.run, "training": training.run, "quality": quality.run, "pruning": pruning.run,
-            "orchestration": orchestration.run, "tracking": tracking.run, "sweeps": sweeps.run}  # in this order
+            "orchestration": orchestration.run, "tracking": tracking.run, "sweeps": sweeps.run,
+            "defaults": defaults.run}  # in this order
+ON_REQUEST = {"defaults"}  # too long for a plain run (about 45 min): --only defaults
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out == Path("BENCHMARKS.md"):  # never replace the real figures with smoke ones
             args.out = Path(".zhflow/bench-smoke.md")
             args.out.parent.mkdir(parents=True, exist_ok=True)
-    names = args.only.split(",") if args.only else list(SECTIONS)
+    names = args.only.split(",") if args.only else [n for n in SECTIONS if n not in ON_REQUEST]
     if "sweeps" in names and "quality" in names:  # the quality section trains the sweeps' champion settings again
         names.remove("sweeps")
         names.insert(names.index("quality"), "sweeps")

@@ -52,7 +52,8 @@ def prune_round(config: PipelineConfig, checkpoint: str, prepared: dict, prune_p
             train_cfg = config.train.model_copy(update={"epochs": p.finetune_epochs, "lr": p.finetune_lr,
                                                         "patience": p.finetune_epochs})
             tuned = launch_worker(stage, config, prepared, run.info.run_id, out / "finetune", train=train_cfg, model=new_cfg,
-                                  init_checkpoint=str(pruned), keep_sparsity=p.method != "structured", cpus=cpus, gpus=gpus)
+                                  init_checkpoint=str(pruned), keep_sparsity=p.method != "structured", cpus=cpus, gpus=gpus,
+                                  epochs_setting="prune.finetune_epochs")
             result = {"checkpoint": tuned["best_checkpoint"], "best_val_macro_f1": tuned["best_val_macro_f1"], "finetuned": True}
         measured = measure_checkpoint(result["checkpoint"], prepared["path"], config.preprocess.max_len, p.latency_threads)
         mlflow.log_metrics(measured | {"val_macro_f1": result["best_val_macro_f1"]})

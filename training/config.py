@@ -484,5 +484,6 @@ class WorkerJob(_Section):
     init_checkpoint: Optional[str] = Field(None, description="Start from these weights (fine-tuning a pruned model).")
     keep_sparsity: bool = Field(False, description="Keep zero weights of init_checkpoint at zero (pruning masks).")
     mlflow_run_id: Optional[str] = Field(None, description="MLflow run that rank 0 logs into.")
+    epochs_setting: str = Field("train.epochs", description="The setting that gave train.epochs (named when it stops training).")
     deadline: Optional[float] = Field(None, description="Unix time by which training ends (train.timeout_minutes): "
                                                         "no epoch starts that would end after it.")

@@ -73,13 +73,17 @@ class LRSchedule:
 
 
 def improves(val: dict, best: dict | None) -> bool:
-    """A better epoch: a higher validation macro-F1, or the same with a lower validation loss (a model still
-    learning on a small or many-class set often keeps its macro-F1 for a few epochs while its loss falls)."""
+    """A better epoch: a higher validation macro-F1, or the same (short of perfect) with a lower validation loss.
+
+    A model still learning on a small or many-class set often keeps its macro-F1 (at first 0, one class predicted)
+    for several epochs while its loss falls; counting those epochs as failures stopped such runs before they learnt.
+    At a perfect macro-F1 there is nothing left to gain, so a falling loss alone does not keep training going.
+    """
     if best is None:
         return True
     if val["val_macro_f1"] != best["val_macro_f1"]:
         return val["val_macro_f1"] > best["val_macro_f1"]
-    return val["val_loss"] < best["val_loss"]
+    return val["val_macro_f1"] < 1.0 and val["val_loss"] < best["val_loss"]
 
 
 def _fault_injection(info, step: int) -> None:
@@ -284,8 +288,9 @@ class Trainer:
                        f"val macro-F1 {val['val_macro_f1']:.4f}, val acc {val['val_accuracy']:.4f}"
                        + (" (best)" if improved else f" (no gain {self.bad_epochs}/{t.patience})"))
         still_improving = stop_reason != "converged" and self.improving_at_end
-        self.print(STOP_MESSAGES[stop_reason].format(epoch=self.epoch, best=self.best_epoch, patience=t.patience)
-                   + (" WARNING: validation was still improving; raise train.epochs (or the time budget)." if still_improving else ""))
+        setting = self.job.epochs_setting if stop_reason == "max_epochs" else "train.timeout_minutes"
+        self.print(STOP_MESSAGES[stop_reason].format(epoch=self.epoch, best=self.best_epoch, patience=t.patience, setting=setting)
+                   + (f" WARNING: validation was still improving; raise {setting}." if still_improving else ""))
         best_f1 = self.best["val_macro_f1"] if self.best else -1.0
         result = {"best_checkpoint": str(self.out / "best.pt"), "best_epoch": self.best_epoch,
                   "best_val_macro_f1": best_f1, "epochs_run": self.epoch, "steps": self.step,
@@ -303,7 +308,7 @@ class Trainer:
 
 STOP_MESSAGES = {
     "converged": "stopped after epoch {epoch}: converged (no better validation score for {patience} epochs; best epoch {best})",
-    "max_epochs": "stopped after epoch {epoch}: the maximum of epochs (train.epochs) was reached; best epoch {best}",
+    "max_epochs": "stopped after epoch {epoch}: the maximum of epochs ({setting}) was reached; best epoch {best}",
     "timeout": "stopped after epoch {epoch}: the time budget (train.timeout_minutes) ran out; best epoch {best}",
 }
 

