@@ -24,7 +24,7 @@ from training.select import choose_weight, cross_fitted_f1, pick
 from tasks.evaluate import save_probs
 from tasks.tracking import stage_run
 
-TITLES = {"neural": "neural ({family}, after pruning)", "linear": "linear (TF-IDF char 1-3 + word 1-2 grams, logistic regression)",
+TITLES = {"neural": "neural ({family})", "linear": "linear (TF-IDF n-grams, logistic regression)",
           "ensemble": "ensemble (neural and linear averaged)"}
 
 
@@ -41,20 +41,19 @@ def linear_candidate(config: PipelineConfig, prepared: dict, parent: dict) -> di
         started = time.perf_counter()
         model, c_scores = fit_linear(train, val, len(manifest["labels"]), config.linear.c_values,
                                      None if config.linear.class_weights == "none" else "balanced")
-        mlflow.log_params({"linear.C": model.c, "linear.class_weights": config.linear.class_weights,
-                           "linear.features": len(model.char.vocabulary_) + len(model.word.vocabulary_),
+        mlflow.log_params({"linear.C": model.c, "linear.features": model.features_name,
+                           "linear.class_weights": config.linear.class_weights, "linear.n_features": model.n_features,
                            "linear.train_texts": len(train.labels)})
         mlflow.log_metric("fit_seconds", time.perf_counter() - started)
-        for c, score in c_scores.items():
-            mlflow.log_metric("val_macro_f1_by_c", score, step=int(round(c * 1000)))  # step: C x 1000
+        mlflow.log_dict(c_scores, "val_macro_f1_by_setting.json")
         folder = Path(parent["work_dir"]) / "linear"
         model.save(folder / "model")
         probs = {"val": model.predict_proba(val.clean, val.tokens), "test": model.predict_proba(test.clean, test.tokens)}
         metrics = log_evaluation(test.labels, probs["test"], manifest["labels"], _test_texts(prepared), "linear: test")
-        metrics["val_macro_f1"] = c_scores[model.c]
+        metrics["val_macro_f1"] = c_scores[f"{model.features_name} C={model.c:g}"]
         mlflow.log_metric("val_macro_f1", metrics["val_macro_f1"])
         return {"kind": "linear", "metrics": metrics, "run_id": run.info.run_id, "linear_dir": str(folder / "model"),
-                "probs": save_probs(folder, probs), "C": model.c}
+                "probs": save_probs(folder, probs), "C": model.c, "features": model.features_name}
 
 
 @task(name="ensemble")

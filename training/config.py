@@ -181,6 +181,11 @@ class TrainConfig(_Section):
         description="Stop after this many epochs in a row without a better validation macro-F1 (an equal macro-F1 "
                     "with a lower validation loss counts as better).",
     )
+    min_steps: int = Field(
+        300, ge=0, le=10_000_000, title="Minimum steps",
+        description="Optimiser steps before early stopping and the plateau decay may act: a small dataset (a few steps "
+                    "an epoch) gets as many updates as a large one's first epochs before it is judged.",
+    )
     nproc: Optional[int] = Field(
         None, ge=1, le=1024, title="Processes",
         description="DDP processes. Empty: the number of GPUs, or of CPU cores on a CPU machine.",
@@ -257,9 +262,9 @@ class EvaluateConfig(_Section):
 
 class LinearConfig(_Section):
     c_values: list[Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)]] = Field(
-        [1.0, 4.0, 16.0], min_length=1, max_length=20, title="Regularisation C",
+        [4.0, 16.0, 64.0], min_length=1, max_length=20, title="Regularisation C",
         description="Inverse regularisation strengths tried for the linear family's logistic regression; the one with "
-                    "the best validation macro-F1 is kept.",
+                    "the best validation macro-F1 (with character n-grams alone or with word n-grams too) is kept.",
     )
     class_weights: Literal["none", "balanced"] = Field(
         "balanced", title="Class weights", description="Weight the linear family's loss by inverse class frequency."

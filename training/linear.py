@@ -1,12 +1,12 @@
-"""The ``linear`` family: TF-IDF over character 1-3 grams and word 1-2 grams, then logistic regression.
+"""The ``linear`` family: TF-IDF over character 1-3 grams (and word 1-2 grams), then logistic regression.
 
-Fitted in the pipeline's own process on the train split (no torchrun), its regularisation ``C`` chosen on the
-validation split. Saved as plain files, no pickle: the vocabularies and settings as JSON, idf and coefficients as
+Fitted in the pipeline's own process on the train split (no torchrun); whether word n-grams help and the
+regularisation ``C`` are chosen on the validation split. Saved as plain files, no pickle: the vocabularies and settings as JSON, idf and coefficients as
 ``.npy``; :meth:`LinearModel.load` rebuilds the same scikit-learn objects, so the probabilities are identical.
 
     from training.linear import LinearModel, fit_linear, split_inputs
     train, val = split_inputs(prepared_dir, "train"), split_inputs(prepared_dir, "val")
-    model = fit_linear(train, val, num_classes=2, c_values=[1, 4, 16])
+    model, val_scores = fit_linear(train, val, num_classes=2, c_values=[1, 4, 16])
     model.save("linear/")
     LinearModel.load("linear/").predict_proba(["质量很好"], [["质量", "很", "好"]])
 """
@@ -70,14 +70,24 @@ def split_inputs(prepared_dir: str | Path, split: str) -> SplitInputs:
 
 
 class LinearModel:
-    """Fitted vectorizers and classifier; ``classes`` are label indices 0..n-1."""
+    """Fitted vectorizers (``word`` None: character n-grams only) and classifier; ``classes`` are label indices."""
 
-    def __init__(self, char: TfidfVectorizer, word: TfidfVectorizer, classifier: LogisticRegression, c: float):
+    def __init__(self, char: TfidfVectorizer, word: TfidfVectorizer | None, classifier: LogisticRegression, c: float):
         self.char, self.word, self.classifier, self.c = char, word, classifier, c
 
+    @property
+    def features_name(self) -> str:
+        return "char" if self.word is None else "char+word"
+
+    @property
+    def n_features(self) -> int:
+        return len(self.char.vocabulary_) + (len(self.word.vocabulary_) if self.word is not None else 0)
+
     def features(self, clean: Sequence[str], tokens: Sequence[Sequence[str]]) -> sp.csr_matrix:
-        words = [SEP.join(t) for t in tokens]
-        return sp.hstack([self.char.transform(list(clean)), self.word.transform(words)], format="csr")
+        parts = [self.char.transform(list(clean))]
+        if self.word is not None:
+            parts.append(self.word.transform([SEP.join(t) for t in tokens]))
+        return sp.hstack(parts, format="csr")
 
     def predict_proba(self, clean: Sequence[str], tokens: Sequence[Sequence[str]]) -> np.ndarray:
         if not len(clean):
@@ -89,10 +99,12 @@ class LinearModel:
         folder.mkdir(parents=True, exist_ok=True)
         meta = {"format_version": FORMAT_VERSION, "C": self.c, "classes": [int(c) for c in self.classifier.classes_],
                 "char": {"params": CHAR_PARAMS, "vocabulary": {t: int(i) for t, i in self.char.vocabulary_.items()}},
-                "word": {"params": WORD_PARAMS, "vocabulary": {t: int(i) for t, i in self.word.vocabulary_.items()}}}
+                "word": None if self.word is None else
+                {"params": WORD_PARAMS, "vocabulary": {t: int(i) for t, i in self.word.vocabulary_.items()}}}
         (folder / "linear.json").write_text(json.dumps(meta, ensure_ascii=False), encoding="utf-8")
         np.save(folder / "char_idf.npy", self.char.idf_)
-        np.save(folder / "word_idf.npy", self.word.idf_)
+        if self.word is not None:
+            np.save(folder / "word_idf.npy", self.word.idf_)
         np.save(folder / "coef.npy", self.classifier.coef_)
         np.save(folder / "intercept.npy", self.classifier.intercept_)
         return folder
@@ -104,9 +116,11 @@ class LinearModel:
         if meta.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{folder}: linear model format {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
         char = _vectorizer(meta["char"]["params"], meta["char"]["vocabulary"])
-        word = _vectorizer(meta["word"]["params"], meta["word"]["vocabulary"])
         char.idf_ = np.load(folder / "char_idf.npy", allow_pickle=False)
-        word.idf_ = np.load(folder / "word_idf.npy", allow_pickle=False)
+        word = None
+        if meta["word"] is not None:
+            word = _vectorizer(meta["word"]["params"], meta["word"]["vocabulary"])
+            word.idf_ = np.load(folder / "word_idf.npy", allow_pickle=False)
         classifier = LogisticRegression(C=meta["C"])
         classifier.classes_ = np.asarray(meta["classes"])
         classifier.coef_ = np.load(folder / "coef.npy", allow_pickle=False)
@@ -115,21 +129,25 @@ class LinearModel:
 
 
 def fit_linear(train: SplitInputs, val: SplitInputs, num_classes: int, c_values: Sequence[float] = (1.0, 4.0, 16.0),
-               class_weight: str | None = "balanced", max_iter: int = 2000) -> tuple[LinearModel, dict[float, float]]:
-    """Fit the vectorizers on ``train`` and one logistic regression per ``C``; keep the one with the best validation
-    macro-F1 (ties: the smaller, more regularised C). Returns the model and ``{C: val macro-F1}``."""
+               class_weight: str | None = "balanced", max_iter: int = 2000) -> tuple[LinearModel, dict[str, float]]:
+    """Fit character n-grams alone and with word n-grams, one logistic regression per ``C`` on each; keep the one
+    with the best validation macro-F1 (ties: fewer features, then the smaller, more regularised C).
+    Returns the model and ``{"char C=4": val macro-F1, ...}``."""
     char, word = _vectorizer(CHAR_PARAMS), _vectorizer(WORD_PARAMS)
-    x_train = sp.hstack([char.fit_transform(train.clean), word.fit_transform([SEP.join(t) for t in train.tokens])], format="csr")
-    probe = LinearModel(char, word, LogisticRegression(), 0.0)
-    x_val = probe.features(val.clean, val.tokens)
-    scores, best = {}, None
-    for c in sorted(c_values):
-        classifier = LogisticRegression(C=c, max_iter=max_iter, class_weight=class_weight).fit(x_train, train.labels)
-        # kept (and saved) in float32: half the size for many classes; scored as saved, so a loaded copy is identical
-        classifier.coef_ = classifier.coef_.astype(np.float32)
-        if len(classifier.classes_) != num_classes:
-            raise ValueError(f"the train split holds {len(classifier.classes_)} of {num_classes} classes")
-        scores[c] = float(f1_score(val.labels, classifier.predict(x_val), average="macro"))
-        if best is None or scores[c] > scores[best[0]]:
-            best = (c, classifier)
-    return LinearModel(char, word, best[1], best[0]), scores
+    x_char = char.fit_transform(train.clean)
+    x_word = word.fit_transform([SEP.join(t) for t in train.tokens])
+    scores, best, best_score = {}, None, -1.0
+    for vectors in ((char, None), (char, word)):
+        probe = LinearModel(*vectors, LogisticRegression(), 0.0)
+        x_train = x_char if vectors[1] is None else sp.hstack([x_char, x_word], format="csr")
+        x_val = probe.features(val.clean, val.tokens)
+        for c in sorted(c_values):
+            classifier = LogisticRegression(C=c, max_iter=max_iter, class_weight=class_weight).fit(x_train, train.labels)
+            if len(classifier.classes_) != num_classes:
+                raise ValueError(f"the train split holds {len(classifier.classes_)} of {num_classes} classes")
+            # kept (and saved) in float32: half the size for many classes; scored as saved, so a loaded copy is identical
+            classifier.coef_ = classifier.coef_.astype(np.float32)
+            score = scores[f"{probe.features_name} C={c:g}"] = float(f1_score(val.labels, classifier.predict(x_val), average="macro"))
+            if score > best_score:
+                best, best_score = LinearModel(*vectors, classifier, c), score
+    return best, scores

@@ -250,7 +250,7 @@ class Trainer:
         }
 
     def _stop_reason(self) -> str | None:
-        if self.bad_epochs >= self.job.train.patience:
+        if self.bad_epochs >= self.job.train.patience and self.step >= self.job.train.min_steps:
             return "converged"
         if self.epoch >= self.job.train.epochs:
             return "max_epochs"
@@ -272,7 +272,7 @@ class Trainer:
                 self.best, self.best_epoch, self.bad_epochs = val, self.epoch, 0
                 if self.info.is_main:
                     self._save_best(val)
-            else:
+            elif self.step >= t.min_steps:  # before min_steps an epoch without gain neither counts nor decays
                 self.bad_epochs += 1
                 self.lr_schedule.decay()
             epoch_s = self._last_epoch_s = time.perf_counter() - started
