@@ -57,7 +57,7 @@ def evaluate_champion(**options) -> RunnerDeployment:
     """On demand: score the champion (or any model URI) on a labelled dataset given in the form."""
     return evaluate.to_deployment(
         name="evaluate-champion",
-        parameters={"model_uri": "models:/zhflow-classifier@champion"},
+        parameters={"model_uri": "models:/zhflow-snownlp-sentiment@champion"},
         description="Score a registered model on a labelled CSV/TSV/JSONL/Parquet file: metrics, confusion matrix, "
                     "errors, as a new MLflow run linked to the model version.",
         tags=TAGS + ["evaluate"], **options,

@@ -3,7 +3,7 @@
     zhflow run                                   # default preset, built-in corpus, all CPU cores
     zhflow run --preset tiny --nproc 2 --json-out summary.json
     zhflow run --dataset reviews.csv --set train.lr=3e-4 --set prune.amount=0.7
-    zhflow evaluate --model-uri models:/zhflow-classifier@champion --dataset reviews.csv --json-out eval.json
+    zhflow evaluate --model-uri models:/zhflow-snownlp-sentiment@champion --dataset reviews.csv --json-out eval.json
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                     "metrics (linked to the model), per-class report, confusion matrix, ROC/PR curves (two classes),\n"
                     "the most confidently wrong texts and every prediction. Labels the model does not know stop it\n"
                     "before any scoring; --label-map renames them.\n\n"
-                    "  zhflow evaluate --model-uri models:/zhflow-classifier@champion --dataset reviews.csv\n"
-                    "  zhflow evaluate --model-uri models:/zhflow-classifier/3 --dataset weibo.tsv --label-map labels.json",
+                    "  zhflow evaluate --model-uri models:/zhflow-snownlp-sentiment@champion --dataset reviews.csv\n"
+                    "  zhflow evaluate --model-uri models:/zhflow-reviews/3 --dataset weibo.tsv --label-map labels.json",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ev.add_argument("--model-uri", required=True,
                     help="models:/NAME@ALIAS, models:/NAME/VERSION or runs:/RUN_ID/model")
@@ -119,8 +119,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     pr = sub.add_parser(
         "predict", help="labels and probabilities for texts from a logged model",
         description="Classify raw Chinese texts with any zhflow model URI.\n\n"
-                    "  zhflow predict --model-uri models:/zhflow-classifier@champion 这本书非常好看 质量太差了\n"
-                    "  zhflow predict --model-uri models:/zhflow-classifier@champion --input texts.txt --json-out out.jsonl",
+                    "  zhflow predict --model-uri models:/zhflow-snownlp-sentiment@champion 这本书非常好看 质量太差了\n"
+                    "  zhflow predict --model-uri models:/zhflow-snownlp-sentiment@champion --input texts.txt --json-out out.jsonl",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     pr.add_argument("--model-uri", required=True, help="models:/NAME@ALIAS, models:/NAME/VERSION or runs:/RUN_ID/model")
     pr.add_argument("texts", nargs="*", help="texts to classify")

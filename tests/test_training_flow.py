@@ -1,4 +1,5 @@
-"""The training task inside Prefect: timeouts leave nothing running, retries resume the same MLflow run."""
+"""The training task inside Prefect: the time budget stops training cleanly, a hung worker is ended by the timeout
+and leaves nothing running, retries resume the same MLflow run."""
 
 import subprocess
 
@@ -31,8 +32,21 @@ def _alive(marker: str) -> list[str]:
     return [line for line in out.stdout.splitlines() if "pgrep" not in line]
 
 
-def test_timeout_ends_every_worker_and_the_mlflow_runs(prefect_server, mlflow_store, small_csv, tmp_path):
+def test_the_time_budget_ends_training_and_keeps_the_best_model(prefect_server, mlflow_store, small_csv, tmp_path):
     cfg = _config(small_csv, "train.epochs=1000", "train.patience=1000", "train.timeout_minutes=0.3")
+    trained = train_only(cfg, "budget")["trained"]
+    assert trained["stop_reason"] == "timeout" and 1 <= trained["epochs_run"] < 1000
+    client = MlflowClient()
+    run = client.get_run(trained["run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["stop_reason"] == "timeout"
+    assert len(client.get_metric_history(run.info.run_id, "val_macro_f1")) == trained["epochs_run"]
+    assert not _alive(str(tmp_path / "zhflow-home" / "runs" / run.data.tags["mlflow.parentRunId"]))
+
+
+def test_a_hung_worker_is_ended_by_the_timeout_and_the_mlflow_runs_fail(prefect_server, mlflow_store, small_csv, tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setenv("ZHFLOW_TEST_HANG_AT_STEP", "4")  # every rank stops answering in epoch 2 (3 steps an epoch)
+    cfg = _config(small_csv, "train.epochs=1000", "train.patience=1000", "train.timeout_minutes=0.5")
     with pytest.raises(Exception):
         train_only(cfg, "timeout")
     client = MlflowClient()

@@ -4,7 +4,7 @@ Cleaning, segmentation, stop words, vocabulary and weights all travel inside
 the logged model, so a user needs nothing but the model URI:
 
     import mlflow
-    model = mlflow.pyfunc.load_model("models:/zhflow-classifier@champion")
+    model = mlflow.pyfunc.load_model("models:/zhflow-snownlp-sentiment@champion")
     model.predict(["这本书非常好看，值得一读", "质量太差了，很失望"])
     #      label  prob_negative  prob_positive
     # 0  positive          0.03           0.97
