@@ -110,3 +110,57 @@ def dataset(name: str) -> str:
 if __name__ == "__main__":
     for name in BUILDERS:
         print(f"{name}: {dataset(name)}")
+
+
+# ---- the section: `zhflow run --dataset X` with nothing else, on every dataset ----------------------------------
+
+SVM = "baseline_test_macro_f1"
+
+
+def _zhflow_run(name: str, extra: list[str]) -> dict:
+    """A real `zhflow run` on the dataset, as a new user types it, in a throwaway MLflow store."""
+    import os
+
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp}/mlflow.db", ZHFLOW_HOME=f"{tmp}/home")
+        out = Path(tmp) / "summary.json"
+        zhflow = str(Path(sys.executable).with_name("zhflow"))
+        subprocess.run([zhflow, "run", "--dataset", dataset(name), "--experiment", "bench", "--json-out", str(out), *extra],
+                       cwd=tmp, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        summary = json.loads(out.read_text())
+        summary["manifest"] = json.loads((Path(summary["prepared_data"]) / "manifest.json").read_text(encoding="utf-8"))
+        return summary
+
+
+def run(quick: bool, repeats: int) -> str:
+    from bench import common
+    from bench.common import verdict
+
+    if common.SMOKE:
+        names, extra = ["law-names-300"], ["--preset", "tiny"]
+    else:
+        names, extra = (["thucnews-headlines", "law-names-300"] if quick else list(BUILDERS)), []
+    lines = ["## The default run on every dataset", "",
+             "`zhflow run --dataset X` with nothing else (default preset; on law-articles too, all 23,224 texts), one run "
+             "per dataset. Test macro-F1 of each candidate on the run's own test split, the TF-IDF char 1-3 grams + linear "
+             "SVM reference on the same split, and the candidate the run registered (the best validation macro-F1).", "",
+             "| dataset | classes / texts | neural (epochs, stop) | linear | ensemble | char TF-IDF + SVM | registered | "
+             "registered vs SVM (target >= -0.3) | neural vs SVM (target >= -3) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    registered_ok = neural_ok = True
+    for name in names:
+        s = _zhflow_run(name, extra)
+        c, m, t = s["candidates"], s["metrics"], s["training"]
+        svm = m[SVM]
+        gap_registered = 100 * (m["test_macro_f1"] - svm)
+        gap_neural = 100 * (c["neural"]["test_macro_f1"] - svm)
+        registered_ok &= gap_registered >= -0.3
+        neural_ok &= gap_neural >= -3
+        size = f"{len(s['manifest']['labels'])} / {s['manifest']['counts']['used']:,}"
+        lines.append(
+            f"| {name} | {size} | {c['neural']['test_macro_f1']:.4f} ({t['epochs_run']}, {t['stop_reason']}) | "
+            f"{c['linear']['test_macro_f1']:.4f} | {c['ensemble']['test_macro_f1']:.4f} | {svm:.4f} | "
+            f"{s['selected']} {m['test_macro_f1']:.4f} | {gap_registered:+.2f} | {gap_neural:+.2f} |")
+    lines += ["", f"Registered model at least the SVM reference minus 0.3 points on every dataset: {verdict(registered_ok)}. "
+              f"Neural default alone within 3 points of it on every dataset: {verdict(neural_ok)}."]
+    return "\n".join(lines) + "\n"

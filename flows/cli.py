@@ -175,7 +175,8 @@ def _print_sweep(summary: dict) -> None:
     console.print(trials)
     m, model = summary["metrics"], summary["model"]
     console.print(f"best trial {summary['best']['trial']}: val macro-F1 {summary['best']['val_macro_f1']:.4f}, "
-                  f"test macro-F1 {m['test_macro_f1']:.4f} (TF-IDF + linear SVM baseline {m['baseline_test_macro_f1']:.4f}); "
+                  f"neural test macro-F1 {m['neural_test_macro_f1']:.4f}; registered {summary['selected']} with test macro-F1 "
+                  f"{m['test_macro_f1']:.4f} (TF-IDF + linear SVM reference {m['baseline_test_macro_f1']:.4f}); "
                   f"registered {model['uri']} as {model['alias']}")
     console.print(f"MLflow UI: {_mlflow_ui()}")
 

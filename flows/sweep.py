@@ -19,6 +19,7 @@ from pydantic import Field
 from training.config import ExperimentName, PipelineConfig, PresetName, default, on_preset
 from training.paths import check_config_paths, check_space_paths
 from training.sweep import DEFAULT_SPACE, check_space, grid
+from flows.pipeline import choose_candidate
 from tasks.baseline import baseline_model
 from tasks.evaluate import evaluate_model
 from tasks.register import register_model
@@ -119,10 +120,14 @@ def sweep(
     prepared = {"path": best.user_attrs["prepared"]}
     evaluated = evaluate_model(best_config, best.user_attrs["checkpoint"], prepared, parent, stage="evaluate")
     baseline = baseline_model(best_config, prepared, parent)
-    model = register_model(best_config, evaluated, prepared, parent, slot=slot["key"])
-    metrics = (evaluated["metrics"] | {f"baseline_{k}": v for k, v in baseline["metrics"].items()}
+    chosen, candidates = choose_candidate(best_config, evaluated, prepared, parent)  # the best trial's model is "neural"
+    model = register_model(best_config, chosen, prepared, parent, slot=slot["key"])
+    metrics = ({k: v for k, v in chosen["metrics"].items() if k.startswith("test_")}
+               | {f"{name}_{k}": v for name, c in candidates.items() for k, v in c["metrics"].items()
+                  if k in ("test_macro_f1", "test_accuracy", "val_macro_f1")}
+               | {f"baseline_{k}": v for k, v in baseline["metrics"].items()}
                | {f"trials_{k}": v for k, v in counts.items()} | {"best_val_macro_f1": best.value, "best_trial": best.number})
     close_pipeline_run(parent, metrics, {"model_version": model["version"], "alias": model["alias"], "best_trial": str(best.number),
                                          "optuna.study": study_name})
     return {**summary, "best": {"trial": best.number, "val_macro_f1": best.value, "params": best.params},
-            "metrics": metrics, "model": {k: model[k] for k in ("name", "version", "uri", "alias")}}
+            "metrics": metrics, "selected": chosen["name"], "model": {k: model[k] for k in ("name", "version", "uri", "alias", "kind")}}

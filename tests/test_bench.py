@@ -18,7 +18,7 @@ def test_smoke_bench_writes_every_section(tmp_path):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = out.read_text(encoding="utf-8")
-    for heading in ("## Preprocessing", "## Training throughput", "## Quality and leakage", "## Pruning",
+    for heading in ("## Preprocessing", "## Training throughput", "## The default run on every dataset", "## Quality and leakage", "## Pruning",
                     "## Orchestration overhead", "## Tracking cost", "## Sweeps"):
         assert heading in report
     assert "Machine:" in report and report.count("**met**") + report.count("**missed**") >= 9
