@@ -122,11 +122,15 @@ def _zhflow_run(name: str, extra: list[str]) -> dict:
     import os
 
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp}/mlflow.db", ZHFLOW_HOME=f"{tmp}/home")
+        # the dataset files lie outside the run's working folder: allowed as a user would allow them
+        env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp}/mlflow.db", ZHFLOW_HOME=f"{tmp}/home",
+                   ZHFLOW_ALLOWED_PATHS=str(ROOT.resolve()))
         out = Path(tmp) / "summary.json"
         zhflow = str(Path(sys.executable).with_name("zhflow"))
-        subprocess.run([zhflow, "run", "--dataset", dataset(name), "--experiment", "bench", "--json-out", str(out), *extra],
-                       cwd=tmp, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        done = subprocess.run([zhflow, "run", "--dataset", dataset(name), "--experiment", "bench", "--json-out", str(out), *extra],
+                              cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode:
+            raise RuntimeError(f"zhflow run on {name} failed ({done.returncode}): {done.stderr[-2000:]}")
         summary = json.loads(out.read_text())
         summary["manifest"] = json.loads((Path(summary["prepared_data"]) / "manifest.json").read_text(encoding="utf-8"))
         return summary
