@@ -352,7 +352,8 @@ def _print_summary(summary: dict) -> None:
         stopped = (f"{training['epochs_run']} epochs, best {training['best_epoch']}; stopped: "
                    f"{STOP_REASONS[training['stop_reason']]}")
         if training["still_improving"]:
-            stopped += "  [bold yellow]WARNING: validation was still improving; raise train.epochs[/]"
+            setting = "train.timeout_minutes" if training["stop_reason"] == "timeout" else "train.epochs"
+            stopped += f"  [bold yellow]WARNING: validation was still improving; raise {setting}[/]"
         table.add_row("neural training", stopped)
         table.add_row("pruning", f"test_macro_f1 {m['trained_test_macro_f1']:.4f} -> {m['neural_test_macro_f1']:.4f}; "
                       f"sparsity {summary['sparsity']['before']:.2f} -> {summary['sparsity']['after']:.2f}; "

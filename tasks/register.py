@@ -35,7 +35,7 @@ from tasks.schedule import SLOT_TAG
 from tasks.tracking import stage_run, work_root
 
 EXAMPLE = ["这本书非常好看，值得一读", "质量太差了，很失望"]
-F1_TAG, SPLIT_TAG, LABELS_TAG = "test_macro_f1", "test_content_digest", "zhflow.labels_digest"
+F1_TAG, SPLIT_TAG, LABELS_TAG, DATASET_TAG = "test_macro_f1", "test_content_digest", "zhflow.labels_digest", "zhflow.dataset"
 
 
 def labels_digest(labels: list[str]) -> str:
@@ -43,14 +43,26 @@ def labels_digest(labels: list[str]) -> str:
     return hashlib.sha256(json.dumps(sorted(labels), ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
 
 
+def dataset_id(manifest: dict) -> str:
+    """Which dataset a model learnt from: the built-in corpus's name, or the file's absolute path (its content may
+    change from run to run: a nightly retrain on an updated file is the same task)."""
+    name = manifest["dataset"]["name"]
+    return name if name in BUILTIN_DATASETS else str(Path(name).resolve())[:5000]
+
+
 def registered_name(config: PipelineConfig, manifest: dict) -> str:
     """``registry.model_name``, else one registered model per task, named from the dataset: ``zhflow-<name>``."""
     if config.registry.model_name:
         return config.registry.model_name
     dataset = manifest["dataset"]["name"]
-    stem = dataset if dataset in BUILTIN_DATASETS else Path(dataset).stem
+    if dataset in BUILTIN_DATASETS:
+        return f"zhflow-{dataset}"
+    stem = Path(dataset).stem
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", stem).strip("-.").lower()[:80]
-    return f"zhflow-{slug or 'dataset'}"
+    if slug and slug == stem.lower():
+        return f"zhflow-{slug}"
+    # a name with characters beyond ASCII (评论.csv): the ASCII part and a short digest keep tasks apart
+    return f"zhflow-{slug or 'dataset'}-{hashlib.sha256(stem.encode('utf-8')).hexdigest()[:6]}"
 
 
 def _requirements(config: PipelineConfig) -> list[str]:
@@ -94,7 +106,7 @@ def registry_lock(name: str) -> Iterator[None]:
 
 
 def _move_alias_locked(client: MlflowClient, name: str, version: str, f1: float, digest: str, prepared: dict | None,
-                       labels: str | None = None) -> tuple[str, str, float | None]:
+                       labels: str | None = None, dataset: str | None = None) -> tuple[str, str, float | None]:
     try:
         champion = client.get_model_version_by_alias(name, "champion")
     except MlflowException:
@@ -102,11 +114,13 @@ def _move_alias_locked(client: MlflowClient, name: str, version: str, f1: float,
     champion_f1 = None
     if champion is None:
         alias, reason = "champion", "first model"
-    elif labels is not None and champion.tags.get(LABELS_TAG, labels) != labels:
-        # another task's model under the same name: its score on this test split means nothing
+    elif labels is not None and (champion.tags.get(LABELS_TAG), champion.tags.get(DATASET_TAG, dataset)) != (labels, dataset):
+        # another task's model under the same name (or one registered before label sets were recorded): its score
+        # on this test split means nothing
         alias, reason = "challenger", (
-            f"not compared: champion version {champion.version} of {name} was trained on another label set; "
-            "give each task its own registry.model_name (or leave it empty)")
+            f"not compared: champion version {champion.version} of {name} was trained on another dataset or label set "
+            "(or before zhflow recorded them); give each task its own registry.model_name (or leave it empty), or move "
+            "the alias by hand")
     else:
         champion_f1 = _champion_f1_on(client, name, champion, prepared, digest)
         # the same unrounded numbers on both sides: a model that only equals the champion does not replace it
@@ -180,7 +194,7 @@ def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, pare
     f1 = evaluated["metrics"]["test_macro_f1"]
     kind = evaluated.get("kind", "neural")
     with stage_run(parent, "register") as run, tempfile.TemporaryDirectory() as tmp:
-        if config.registry.enabled and (earlier := _slot_taken(MlflowClient(), name, slot, {"run_id": run.info.run_id})):
+        if config.registry.enabled and (earlier := _slot_taken(MlflowClient(), name, slot, {"run_id": run.info.run_id, "kind": kind})):
             return earlier  # checked again under the lock below; this only saves logging a model for nothing
         artifacts = _artifacts(config, evaluated, prepared, manifest, Path(tmp))
         classifier = TextClassifier()
@@ -197,14 +211,16 @@ def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, pare
             return result
         client = MlflowClient()
         # repr: the exact float, so that the next run compares the same number (a rounded tag made ties "win")
-        tags = ({F1_TAG: repr(float(f1)), SPLIT_TAG: digest, LABELS_TAG: labels, "candidate": kind,
+        tags = ({F1_TAG: repr(float(f1)), SPLIT_TAG: digest, LABELS_TAG: labels, DATASET_TAG: dataset_id(manifest),
+                 "candidate": kind,
                  "parent_run_id": parent["run_id"]} | ({SLOT_TAG: slot} if slot else {}))
         with registry_lock(name):  # the slot check, the registration and the alias move are one step
             if earlier := _slot_taken(client, name, slot, result):
                 return earlier
             # waits until the version is READY, so no alias ever points at a version still being created
             version = mlflow.register_model(info.model_uri, name, tags=tags).version
-            alias, reason, champion_f1 = _move_alias_locked(client, name, str(version), f1, digest, prepared, labels)
+            alias, reason, champion_f1 = _move_alias_locked(client, name, str(version), f1, digest, prepared, labels,
+                                                            dataset_id(manifest))
         if champion_f1 is not None:
             mlflow.log_metric("champion_test_macro_f1", champion_f1)
         mlflow.set_tags({"registered_model": name, "model_version": str(version), "alias": alias, "alias_reason": reason})

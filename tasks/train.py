@@ -42,7 +42,7 @@ def hard_timeout(minutes: float | None) -> float | None:
     catches a worker that hangs; the grace leaves time for the last validation and checkpoint."""
     if not minutes:
         return None
-    return minutes * 60 + max(30.0, min(300.0, minutes * 6))  # at least the start and the end of torchrun
+    return minutes * 60 + max(60.0, min(600.0, minutes * 12))  # the start and end of torchrun, a stage's own work
 
 
 def with_limits(stage_task, train: TrainConfig):

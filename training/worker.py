@@ -151,6 +151,7 @@ class Trainer:
         self._resume()
         self.resumed_after_epoch = self.epoch
         self.epoch_rates: list[float] = []  # training samples/s of each epoch run here
+        self._val_s = 0.0  # how long the last validation took (the time budget keeps room for one)
 
     # ---- checkpoints ----------------------------------------------------------
     def _resume(self) -> None:
@@ -162,8 +163,13 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.epoch, self.step = state["epoch"], state["step"]
-        self.best, self.best_epoch, self.bad_epochs = state["best"], state["best_epoch"], state["bad_epochs"]
-        self.improving_at_end = state["improving_at_end"]
+        self.best_epoch, self.bad_epochs = state["best_epoch"], state["bad_epochs"]
+        if "best" in state:
+            self.best, self.improving_at_end = state["best"], state["improving_at_end"]
+        else:  # written before the loss tie-break: the best epoch's metrics are in best.pt
+            best_f1 = state.get("best_f1", -1.0)
+            self.best = load_checkpoint(self.out / "best.pt")["metrics"] if best_f1 >= 0 else None
+            self.improving_at_end = self.bad_epochs == 0
         torch.set_rng_state(state["rng"])
         self.print(f"resumed from {last} after epoch {self.epoch} (restart {self.restarts})")
 
@@ -196,7 +202,7 @@ class Trainer:
         n_batches, losses, seen = len(self.loader), [], 0
         started, report_every = time.perf_counter(), max(1, n_batches // 10)
         for i, (inputs, labels) in enumerate(self.loader, 1):
-            if self._past_deadline():  # the time budget ran out mid-epoch: validate what there is
+            if self._past_deadline(ahead=self._val_s):  # the budget runs out mid-epoch: validate what there is, in time
                 n_batches = i - 1
                 break
             inputs, labels = to_device(inputs, self.info.device), labels.to(self.info.device, non_blocking=True)
@@ -235,6 +241,13 @@ class Trainer:
 
     def _validate(self) -> dict:
         """Exact validation: each rank scores a disjoint slice, the predictions are gathered (no padding)."""
+        started = time.perf_counter()
+        try:
+            return self._validate_all()
+        finally:
+            self._val_s = time.perf_counter() - started
+
+    def _validate_all(self) -> dict:
         mine = list(range(self.info.rank, len(self.val_set), self.info.world_size))
         probs = predict_proba(self.raw_model, self.val_set, 256, self.min_len, self.info.device, mine)
         parts = distributed.all_gather_objects((mine, probs), self.info)
