@@ -82,6 +82,8 @@ def run(quick: bool, repeats: int) -> str:
             with tempfile.TemporaryDirectory() as tmp:
                 env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp}/mlflow.db", ZHFLOW_HOME=f"{tmp}/home",
                            PREFECT_HOME=f"{tmp}/prefect", PREFECT_SERVER_ANALYTICS_ENABLED="false",
+                           # as zhflow sets it: the temporary server's 20 s default is too short on a busy machine
+                           PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120",
                            PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
                 env.pop("PREFECT_API_URL", None)
                 seconds[name].append(_timed(command(tmp), env, tmp))
