@@ -148,7 +148,7 @@ class ModelConfig(_Section):
 
 class TrainConfig(_Section):
     epochs: int = Field(
-        100, ge=1, le=1000, title="Maximum epochs",
+        300, ge=1, le=1000, title="Maximum epochs",
         description="Upper bound on training epochs. Training normally ends earlier, once validation macro-F1 has not "
                     "improved for `patience` epochs; the summary says which ended it.",
     )
