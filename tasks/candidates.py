@@ -1,5 +1,5 @@
-"""The run's other candidates and the choice among them: ``linear`` (TF-IDF + logistic regression, fitted here, no
-torchrun), ``ensemble`` (neural and linear averaged) and ``select`` (the best validation macro-F1 wins).
+"""The run's other candidates and the choice among them: ``linear`` (TF-IDF + logistic regression or linear SVM,
+fitted here, no torchrun), ``ensemble`` (neural and linear averaged) and ``select`` (the best validation macro-F1 wins).
 
 Each candidate's stage run carries the same test metrics and plots as the ``evaluate`` run, plus ``val_macro_f1``;
 the parent run gets every candidate's scores side by side and a ``candidates.md`` table.
@@ -18,13 +18,13 @@ from prefect.artifacts import create_markdown_artifact
 
 from training.config import PipelineConfig
 from training.data.prepare import load_manifest
-from training.linear import fit_linear, split_inputs
+from training.linear import fit_linear, merge, refit, split_inputs
 from training.metrics import log_evaluation
 from training.select import choose_weight, cross_fitted_f1, pick
 from tasks.evaluate import save_probs
 from tasks.tracking import stage_run
 
-TITLES = {"neural": "neural ({family})", "linear": "linear (TF-IDF n-grams, logistic regression)",
+TITLES = {"neural": "neural ({family})", "linear": "linear (TF-IDF {setting})",
           "ensemble": "ensemble (neural and linear averaged)"}
 
 
@@ -34,26 +34,32 @@ def _test_texts(prepared: dict) -> list[str]:
 
 @task(name="linear")
 def linear_candidate(config: PipelineConfig, prepared: dict, parent: dict) -> dict:
-    """Fit the linear family on the train split (C chosen on val), score val and test, save it as plain files."""
+    """Fit the linear family on the train split (settings chosen on val), refit them on train + val, score val (first
+    fit) and test (refit), save it as plain files."""
     with stage_run(parent, "linear") as run:
         manifest = load_manifest(prepared["path"])
         train, val, test = (split_inputs(prepared["path"], s) for s in ("train", "val", "test"))
         started = time.perf_counter()
-        model, c_scores = fit_linear(train, val, len(manifest["labels"]), config.linear.c_values,
-                                     None if config.linear.class_weights == "none" else "balanced")
+        weights = None if config.linear.class_weights == "none" else "balanced"
+        chosen, c_scores = fit_linear(train, val, len(manifest["labels"]), config.linear.grid(), weights)
+        val_probs = chosen.predict_proba(val.clean, val.tokens)  # what the ensemble weight is chosen on
+        model = refit(chosen, merge(train, val), weights) if config.linear.refit else chosen
         mlflow.log_params({"linear.C": model.c, "linear.features": model.features_name,
+                           "linear.classifier": model.classifier_name, "linear.temperature": model.temperature,
                            "linear.class_weights": config.linear.class_weights, "linear.n_features": model.n_features,
-                           "linear.train_texts": len(train.labels)})
+                           "linear.refit": config.linear.refit, "linear.train_texts": len(train.labels)
+                           + (len(val.labels) if config.linear.refit else 0)})
         mlflow.log_metric("fit_seconds", time.perf_counter() - started)
         mlflow.log_dict(c_scores, "val_macro_f1_by_setting.json")
         folder = Path(parent["work_dir"]) / "linear"
         model.save(folder / "model")
-        probs = {"val": model.predict_proba(val.clean, val.tokens), "test": model.predict_proba(test.clean, test.tokens)}
+        probs = {"val": val_probs, "test": model.predict_proba(test.clean, test.tokens)}
         metrics = log_evaluation(test.labels, probs["test"], manifest["labels"], _test_texts(prepared), "linear: test")
-        metrics["val_macro_f1"] = c_scores[f"{model.features_name} C={model.c:g}"]
+        metrics["val_macro_f1"] = c_scores[model.setting]
         mlflow.log_metric("val_macro_f1", metrics["val_macro_f1"])
         return {"kind": "linear", "metrics": metrics, "run_id": run.info.run_id, "linear_dir": str(folder / "model"),
-                "probs": save_probs(folder, probs), "C": model.c, "features": model.features_name}
+                "probs": save_probs(folder, probs), "C": model.c, "features": model.features_name,
+                "classifier": model.classifier_name, "setting": model.setting}
 
 
 @task(name="ensemble")
@@ -87,7 +93,7 @@ def select_candidate(config: PipelineConfig, candidates: dict[str, dict], parent
         m = c["metrics"]
         for key in ("val_macro_f1", "test_macro_f1", "test_accuracy"):
             client.log_metric(parent["run_id"], f"{name}_{key}", m[key])
-        title = TITLES[name].format(family=config.model.name)
+        title = TITLES[name].format(family=config.model.name, setting=c.get("setting", ""))
         rows.append(f"| {title} | {m['val_macro_f1']:.4f} | {m['test_macro_f1']:.4f} | {m['test_accuracy']:.4f} | "
                     f"{'**registered**' if name == chosen else ''} |")
     table = "\n".join(rows) + "\n\nChosen by validation macro-F1; the test split only scores the choice.\n"

@@ -9,13 +9,15 @@ import numpy as np
 import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
+from scipy.special import log_softmax
 
 from tests.conftest import sentiment_rows, write_csv
 from tests.test_budget import topic_rows
 from training.config import apply_overrides, tiny
 from training.data.prepare import prepare_dataset
 from training.inference import TextClassifier
-from training.linear import LinearModel, fit_linear, split_inputs
+from training.linear import (CHAR_PARAMS, LinearModel, _margins, _vectorizer, fit_linear, fit_temperature, merge, refit,
+                             split_inputs)
 from training.select import choose_weight, cross_fitted_f1, pick
 
 
@@ -33,8 +35,11 @@ def reviews(tmp_path_factory):
 def test_the_linear_family_round_trips_through_the_pyfunc_with_identical_probabilities_and_no_pickle(reviews, tmp_path):
     prepared, cfg = reviews
     train, val, test = (split_inputs(prepared, s) for s in ("train", "val", "test"))
-    model, scores = fit_linear(train, val, 2, [1.0, 4.0])
-    assert set(scores) == {"char C=1", "char C=4", "char+word C=1", "char+word C=4"}
+    model, scores = fit_linear(train, val, 2, {"logreg": [1.0, 4.0], "svm": [0.5]})
+    assert set(scores) == {f"{f} {c}" for f in ("char", "char+word") for c in ("logreg C=1", "logreg C=4", "svm C=0.5")}
+    assert scores[model.setting] == max(scores.values())
+    for forced in ({"logreg": [4.0]}, {"svm": [0.5]}):  # each classifier round-trips
+        _round_trip(fit_linear(train, val, 2, forced)[0], test, tmp_path / next(iter(forced)))
     folder = model.save(tmp_path / "linear")
     assert sorted(p.suffix for p in folder.iterdir()) <= [".json", ".npy", ".npy", ".npy", ".npy", ".npy"]
     for npy in folder.glob("*.npy"):
@@ -53,6 +58,40 @@ def test_the_linear_family_round_trips_through_the_pyfunc_with_identical_probabi
     frame = served.predict(None, raw)
     assert list(frame.columns) == ["label", "prob_negative", "prob_positive"]
     assert (frame["label"] == np.where(expected.argmax(1) == 1, "positive", "negative")).all()
+
+
+def _round_trip(model, test, folder):
+    model.save(folder)
+    loaded = LinearModel.load(folder)
+    assert loaded.setting == model.setting and loaded.temperature == model.temperature
+    assert np.array_equal(loaded.predict_proba(test.clean, test.tokens), model.predict_proba(test.clean, test.tokens))
+
+
+def test_the_svm_probabilities_follow_its_margins_with_a_temperature_fitted_on_validation(reviews):
+    prepared, _ = reviews
+    train, val, test = (split_inputs(prepared, s) for s in ("train", "val", "test"))
+    model, _ = fit_linear(train, val, 2, {"svm": [0.5]})
+    assert model.classifier_name == "svm" and model.temperature is not None
+    x = model.features(test.clean, test.tokens)
+    probs = model.predict_proba(test.clean, test.tokens)
+    assert np.allclose(probs.sum(1), 1) and (probs.argmax(1) == model.classifier.predict(x)).all()
+    # the fitted temperature beats a tenth and ten times it on validation log-loss
+    margins = _margins(model.classifier, model.features(val.clean, val.tokens))
+    def loss(t):
+        return -log_softmax(margins * t, axis=1)[np.arange(len(val.labels)), val.labels].mean()
+    assert loss(model.temperature) <= min(loss(model.temperature / 10), loss(model.temperature * 10))
+    assert fit_temperature(margins, val.labels) == model.temperature
+
+
+def test_the_chosen_settings_are_refit_on_train_and_validation(reviews):
+    prepared, _ = reviews
+    train, val = split_inputs(prepared, "train"), split_inputs(prepared, "val")
+    chosen, _ = fit_linear(train, val, 2, {"svm": [0.5]})
+    final = refit(chosen, merge(train, val))
+    assert final.setting == chosen.setting and final.temperature == chosen.temperature
+    # the vocabulary is that of train + validation, and the model no longer equals the train-only fit
+    assert final.char.vocabulary_ == _vectorizer(CHAR_PARAMS).fit(train.clean + val.clean).vocabulary_
+    assert final.char.vocabulary_ != chosen.char.vocabulary_
 
 
 def test_the_ensemble_weight_is_chosen_on_validation_only():

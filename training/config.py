@@ -262,14 +262,40 @@ class EvaluateConfig(_Section):
 
 
 class LinearConfig(_Section):
+    classifiers: list[Literal["logreg", "svm"]] = Field(
+        ["logreg", "svm"], min_length=1, title="Classifiers",
+        description="Linear classifiers tried on the TF-IDF features: logistic regression, and a linear SVM whose "
+                    "margins become probabilities through a softmax with a temperature fitted on validation log-loss. "
+                    "The one with the best validation macro-F1 (with character n-grams alone or with word n-grams "
+                    "too, at its best C) is kept.",
+    )
     c_values: list[Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)]] = Field(
-        [4.0, 16.0, 64.0], min_length=1, max_length=20, title="Regularisation C",
-        description="Inverse regularisation strengths tried for the linear family's logistic regression; the one with "
-                    "the best validation macro-F1 (with character n-grams alone or with word n-grams too) is kept.",
+        [4.0, 16.0, 64.0], min_length=1, max_length=20, title="Logistic regression C",
+        description="Inverse regularisation strengths tried for the logistic regression.",
+    )
+    svm_c_values: list[Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)]] = Field(
+        [0.25, 0.5, 1.0], min_length=1, max_length=20, title="SVM C",
+        description="Inverse regularisation strengths tried for the linear SVM.",
     )
     class_weights: Literal["none", "balanced"] = Field(
         "balanced", title="Class weights", description="Weight the linear family's loss by inverse class frequency."
     )
+    refit: bool = Field(
+        True, title="Refit on train + val",
+        description="After the choice on the validation split, fit the chosen settings again on train and validation "
+                    "together (the validation score and the ensemble weight come from the first fit).",
+    )
+
+    @field_validator("classifiers")
+    @classmethod
+    def _distinct_classifiers(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"each classifier once: {value}")
+        return value
+
+    def grid(self) -> dict[str, list[float]]:
+        """``{classifier: [C, ...]}`` as :func:`training.linear.fit_linear` takes it."""
+        return {name: self.c_values if name == "logreg" else self.svm_c_values for name in self.classifiers}
 
 
 CandidateName = Literal["neural", "linear", "ensemble"]
@@ -279,7 +305,7 @@ class SelectConfig(_Section):
     candidates: list[CandidateName] = Field(
         ["neural", "linear", "ensemble"], min_length=1, title="Candidates",
         description="Models the run trains and scores: neural (the model family above, after pruning), linear (TF-IDF "
-                    "char + word n-grams, logistic regression), ensemble (their probabilities averaged, the weight chosen "
+                    "char + word n-grams, logistic regression or linear SVM), ensemble (their probabilities averaged, the weight chosen "
                     "on validation). The one with the best validation macro-F1 is registered.",
     )
 
