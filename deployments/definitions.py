@@ -72,7 +72,7 @@ TITLES = {
     "pruner": "Early stopping (pruner)", "space": "Search space", "parallel": "Trials at once", "study": "Optuna study",
     "seed": "Sampler seed", "model_uri": "Model URI", "dataset": "Dataset", "label_map": "Label map",
     "text_column": "Text column", "label_column": "Label column", "text_columns": "Text columns", "format": "File format",
-    "encoding": "Encoding",
+    "encoding": "Encoding", "quoting": "Quoting",
 }
 
 

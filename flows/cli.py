@@ -22,6 +22,7 @@ MODEL_FAMILIES = ModelConfig.model_fields["name"].annotation.__args__
 DATA_FLAGS = {  # flag -> setting it fills
     "dataset": "data.dataset", "format": "data.format", "text_column": "data.text_column",
     "label_column": "data.label_column", "text_columns": "data.text_columns", "encoding": "data.encoding",
+    "quoting": "data.quoting",
     "test_dataset": "data.test_dataset", "model": "model.name", "nproc": "train.nproc",
 }
 
@@ -45,6 +46,9 @@ def _file_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-columns", help="several text columns joined in order, e.g. title,content")
     parser.add_argument("--label-column", help="column holding the label (default: label)")
     parser.add_argument("--encoding", help="file encoding (default: UTF-8 with or without BOM, else GB18030/GBK)")
+    parser.add_argument("--quoting", choices=["auto", "minimal", "none"],
+                        help="how a CSV/TSV marks fields: minimal (quoted, as CSV and pandas' TSV), none (quotes are "
+                             "text, a raw TSV); default auto: minimal for CSV, for TSV as the file reads")
 
 
 def _data_options(parser: argparse.ArgumentParser) -> None:
@@ -253,6 +257,7 @@ def evaluate_command(args: argparse.Namespace) -> int:
     dataset = Path(args.dataset).expanduser()
     params = {"model_uri": args.model_uri, "dataset": str(dataset.resolve()) if dataset.is_file() else args.dataset, "text_column": args.text_column or "text",
               "label_column": args.label_column or "label", "format": args.format, "encoding": args.encoding,
+              "quoting": args.quoting or "auto",
               "text_columns": [c.strip() for c in args.text_columns.split(",")] if args.text_columns else None}
     try:
         params["label_map"] = read_label_map(args.label_map) if args.label_map else None

@@ -28,6 +28,7 @@ def evaluate(
     text_columns: Optional[list[str]] = None,
     format: Optional[Literal["csv", "tsv", "jsonl", "parquet"]] = None,
     encoding: Optional[str] = None,
+    quoting: Literal["auto", "minimal", "none"] = "auto",
 ) -> dict:
     """Score a zhflow model on a labelled dataset: metrics, curves, confusion matrix and errors in a new MLflow run.
 
@@ -41,5 +42,7 @@ def evaluate(
         text_columns: Several text columns joined in this order (e.g. title, content); replaces text_column when set.
         format: File format. Empty: from the extension.
         encoding: Text encoding of a CSV/TSV/JSONL file. Empty: UTF-8 (with or without BOM), else GB18030/GBK.
+        quoting: How a CSV/TSV marks fields: minimal (quoted fields, as CSV and pandas' TSV), none (quotes are text, a raw TSV), auto (minimal for CSV; for TSV as the file reads).
     """
-    return score_model(model_uri, dataset, experiment, label_map, text_column, label_column, text_columns, format, encoding)
+    return score_model(model_uri, dataset, experiment, label_map, text_column, label_column, text_columns, format, encoding,
+                       quoting)

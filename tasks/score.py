@@ -102,7 +102,7 @@ def resolve_model(model_uri: str) -> ResolvedModel:
 def check_evaluation(
     model_uri: str, dataset: str, label_map: Optional[dict[str, str]] = None, text_column: str = "text",
     label_column: str = "label", text_columns: Optional[list[str]] = None, format: Optional[str] = None,
-    encoding: Optional[str] = None,
+    encoding: Optional[str] = None, quoting: str = "auto",
 ) -> tuple[ResolvedModel, RawDataset, int]:
     """The resolved model, the dataset's non-blank texts with labels mapped to the model's, and how many texts were
     blank; else an error that names the file, the labels or the model."""
@@ -111,7 +111,7 @@ def check_evaluation(
         check_model_uri("model_uri", model_uri)
     except PathRefused as err:
         raise EvaluationError(str(err)) from None
-    raw = read_dataset(dataset, text_column, label_column, text_columns or (), format, encoding)
+    raw = read_dataset(dataset, text_column, label_column, text_columns or (), format, encoding, quoting)
     raw_texts = raw.texts
     keep = [i for i, text in enumerate(raw_texts) if text.strip()]
     if not keep:
@@ -132,10 +132,11 @@ def check_evaluation(
 def score_model(
     model_uri: str, dataset: str, experiment: str, label_map: Optional[dict[str, str]] = None, text_column: str = "text",
     label_column: str = "label", text_columns: Optional[list[str]] = None, format: Optional[str] = None,
-    encoding: Optional[str] = None,
+    encoding: Optional[str] = None, quoting: str = "auto",
 ) -> dict:
     """Check, predict, log the evaluation into a new run of ``experiment``; return the summary."""
-    model, raw, blank = check_evaluation(model_uri, dataset, label_map, text_column, label_column, text_columns, format, encoding)
+    model, raw, blank = check_evaluation(model_uri, dataset, label_map, text_column, label_column, text_columns, format,
+                                         encoding, quoting)
     client = MlflowClient()
     exp = client.get_experiment_by_name(experiment)
     experiment_id = exp.experiment_id if exp else client.create_experiment(experiment)

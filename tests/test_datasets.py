@@ -50,6 +50,37 @@ def test_mostly_utf8_file_with_a_bad_byte_is_not_guessed_as_gbk(tmp_path):
         read_dataset(str(path))
 
 
+QUOTED_TEXTS = ['他说"好"吃', '"开头的引号', "正常的评论", "两行\n的评论", "含\t制表符", '"整个引起来"', "最后一条"]
+
+
+def test_a_tsv_as_pandas_writes_it_reads_as_the_same_texts_as_the_csv(tmp_path):
+    frame = pd.DataFrame({"text": QUOTED_TEXTS, "label": ["pos", "neg"] * 3 + ["pos"]})
+    frame.to_csv(tmp_path / "d.csv", index=False)
+    frame.to_csv(tmp_path / "d.tsv", sep="\t", index=False, encoding="gb18030")
+    as_csv, as_tsv = read_dataset(str(tmp_path / "d.csv")), read_dataset(str(tmp_path / "d.tsv"))
+    assert as_tsv.texts == as_csv.texts == QUOTED_TEXTS and as_tsv.labels == as_csv.labels
+    assert as_tsv.lines == [2, 3, 4, 5, 7, 8, 9]  # the quoted line break keeps the line numbers right
+    # told it is raw, the quotes stay text
+    frame.iloc[[0, 2]].to_csv(tmp_path / "two.tsv", sep="\t", index=False)
+    assert read_dataset(str(tmp_path / "two.tsv"), quoting="none").texts == ['"他说""好""吃"', "正常的评论"]
+
+
+def test_a_raw_tsv_keeps_its_quotes_as_text_and_no_quote_swallows_lines(tmp_path):
+    path = tmp_path / "raw.tsv"
+    path.write_text('text\tlabel\n"开头的引号\tpos\n结尾的引号"\tneg\n他说"好"吃\tpos\n"整个"\tneg\n正常\tpos\n',
+                    encoding="utf-8")
+    raw = read_dataset(str(path))
+    assert raw.texts == ['"开头的引号', '结尾的引号"', '他说"好"吃', '"整个"', "正常"] and raw.lines == [2, 3, 4, 5, 6]
+    # an unclosed quote at the start of a field, as in a raw TSV
+    path.write_text('text\tlabel\n"好"看\tpos\n"没有闭合\tneg\n很差\tneg\n', encoding="utf-8")
+    assert read_dataset(str(path)).texts == ['"好"看', '"没有闭合', "很差"]
+    # the same file, when the user says it is quoted: the unclosed quote is named
+    with pytest.raises(DatasetError, match="raw.tsv: line 3: "):
+        read_dataset(str(path), quoting="minimal")
+    with pytest.raises(DatasetError, match="unknown quoting 'sometimes'"):
+        read_dataset(str(path), quoting="sometimes")
+
+
 def test_tsv_parquet_jsonl_and_format_override(tmp_path):
     rows = sentiment_rows(10)
     frame = pd.DataFrame(rows, columns=["text", "label"])

@@ -46,6 +46,12 @@ class DataConfig(_Section):
         None, title="Encoding",
         description="Text encoding of a CSV/TSV/JSONL file. Empty: UTF-8 (with or without BOM), else GB18030/GBK.",
     )
+    quoting: Literal["auto", "minimal", "none"] = Field(
+        "auto", title="Quoting",
+        description="How a CSV/TSV marks fields. minimal: fields holding a quote, separator or line break are quoted "
+                    "and their quotes doubled (CSV; pandas' and spreadsheets' TSV). none: quotes are text (a raw TSV). "
+                    "auto: minimal for CSV; for TSV, minimal when the file reads as quoted fields, else none.",
+    )
     test_dataset: Optional[str] = Field(
         None, title="Fixed test set",
         description="A file used as the test split instead of a random share; its texts are removed from train/val.",

@@ -115,7 +115,8 @@ def _file_digest(paths: list[Path]) -> str:
 
 
 def _read(data: DataConfig, dataset: str) -> RawDataset:
-    return read_dataset(dataset, data.text_column, data.label_column, data.text_columns, data.format, data.encoding)
+    return read_dataset(dataset, data.text_column, data.label_column, data.text_columns, data.format, data.encoding,
+                        data.quoting)
 
 
 def _clean(raw: RawDataset, pre: PreprocessConfig) -> tuple[list[str], list[str], list[str], int]:

@@ -108,7 +108,7 @@ def _decode_error(path: Path, data: bytes, err: UnicodeDecodeError, encoding: st
                         f"pass the file's encoding with --encoding")
 
 
-def _frame(path: Path, fmt: str, encoding: Optional[str]) -> tuple[pd.DataFrame, list[int]]:
+def _frame(path: Path, fmt: str, encoding: Optional[str], quoting: str = "auto") -> tuple[pd.DataFrame, list[int]]:
     if fmt == "parquet":
         frame = pd.read_parquet(path)
         return frame, list(range(1, len(frame) + 1))
@@ -133,13 +133,56 @@ def _frame(path: Path, fmt: str, encoding: Optional[str]) -> tuple[pd.DataFrame,
         if not rows:
             raise DatasetError(f"{path}: no data rows (blank lines only)")
         return pd.DataFrame(rows, dtype=object), lines  # object: a text 123 next to a null stays "123", not "123.0"
-    return _table(path, text, fmt)
+    if quoting == "auto":
+        quoting = "minimal" if fmt == "csv" or _quoted_tsv(text) else "none"
+    return _table(path, text, fmt, quoting)
 
 
-def _table(path: Path, text: str, fmt: str) -> tuple[pd.DataFrame, list[int]]:
+QUOTINGS = ("auto", "minimal", "none")
+
+
+def _records(text: str, **dialect) -> list[list[str]]:
+    limit = csv.field_size_limit(2**31 - 1)
+    try:
+        return [r for r in csv.reader(io.StringIO(text, newline=""), delimiter="\t", **dialect)
+                if any(field.strip() for field in r)]
+    finally:
+        csv.field_size_limit(limit)
+
+
+def _quoted_tsv(text: str) -> bool:
+    """Whether a TSV was written with quoting, as pandas (``to_csv(sep="\\t")``) and spreadsheets write one (a field
+    holding a quote, tab or line break quoted, its quotes doubled), rather than raw (a quote is only text).
+
+    Quoted when some field starts with a quote and the whole file reads as quoted fields (each closed, no record wider
+    than the header), and either the raw reading breaks (a quoted line break or tab) or every field that quoting
+    changes holds a quote (as a writer that quotes only where needed leaves it). A raw file whose quote is not a whole
+    field (``"好"吃``), is never closed, or would join lines that read as whole records on their own stays raw: no
+    quote swallows the lines after it."""
+    if not re.search(r'(^|\t)"', text, re.MULTILINE):
+        return False
+    try:
+        quoted = _records(text, strict=True)
+    except csv.Error:
+        return False
+    width = len(quoted[0])
+    if any(len(r) > width and any(f.strip() for f in r[width:]) for r in quoted):
+        return False
+    raw = _records(text, quoting=csv.QUOTE_NONE)
+    if any(len(r) != len(raw[0]) for r in raw):
+        return True
+    if len(raw) != len(quoted):
+        return False
+    return all('"' in q for raw_row, quoted_row in zip(raw, quoted) for r, q in zip(raw_row, quoted_row) if r != q)
+
+
+def _table(path: Path, text: str, fmt: str, quoting: str = "minimal") -> tuple[pd.DataFrame, list[int]]:
     """A CSV/TSV file read with the csv module, which says where each record starts: the line numbers in the
-    messages stay right after blank lines and quoted line breaks. Lines of blanks and separators are skipped."""
-    dialect = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if fmt == "tsv" else {"delimiter": ","}
+    messages stay right after blank lines and quoted line breaks. Lines of blanks and separators are skipped.
+    ``quoting``: ``minimal`` (quoted fields, RFC 4180), ``none`` (quotes are text)."""
+    dialect = {"delimiter": "\t" if fmt == "tsv" else ","}
+    if quoting == "none":
+        dialect["quoting"] = csv.QUOTE_NONE
     reader = csv.reader(io.StringIO(text, newline=""), **dialect)
     header, rows, lines = None, [], []
     end = 0  # the last line read so far
@@ -208,6 +251,7 @@ def read_dataset(
     text_columns: Sequence[str] = (),
     fmt: Optional[str] = None,
     encoding: Optional[str] = None,
+    quoting: str = "auto",
 ) -> RawDataset:
     files = dataset_files(dataset)
     digest = _sha256(files)
@@ -226,7 +270,9 @@ def read_dataset(
         raise DatasetError(f"{path}: unknown extension {path.suffix!r}; use one of {', '.join(FORMATS)} or --format")
     if path.stat().st_size == 0:
         raise DatasetError(f"{path}: the file is empty")
-    frame, lines = _frame(path, fmt, encoding)
+    if quoting not in QUOTINGS:
+        raise DatasetError(f"{path}: unknown quoting {quoting!r}; use one of {', '.join(QUOTINGS)}")
+    frame, lines = _frame(path, fmt, encoding, quoting)
     columns = list(text_columns) or [text_column]
     for column in [*columns, label_column]:
         if column not in frame.columns:
