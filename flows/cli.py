@@ -141,6 +141,10 @@ def sweep_command(args: argparse.Namespace, config: PipelineConfig) -> int:
     except SpaceError as err:
         print(f"zhflow: error: {err}", file=sys.stderr)
         return 2
+    from training.paths import PATH_FIELDS, allow_typed
+
+    # the space file is the user's own too: the files it names may lie outside the working folder
+    allow_typed(*(v for f in PATH_FIELDS for v in ((space or {}).get(f) or {}).get("choices", [])))
     if args.trials < 1 or args.parallel < 1:
         print(f"zhflow: error: --trials and --parallel must be at least 1 (got {args.trials}, {args.parallel})", file=sys.stderr)
         return 2
@@ -202,10 +206,10 @@ def predict_command(args: argparse.Namespace) -> int:
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from training.paths import PathRefused, check_model_uri
+    from training.paths import PathRefused, local_model_path
 
     try:
-        check_model_uri("--model-uri", args.model_uri)
+        local_model_path("--model-uri", args.model_uri)  # typed here, so any local path; file: on another host refused
         model = mlflow.pyfunc.load_model(args.model_uri)
     except PathRefused as err:
         print(f"zhflow: error: {err}", file=sys.stderr)
@@ -259,6 +263,13 @@ def evaluate_command(args: argparse.Namespace) -> int:
               "label_column": args.label_column or "label", "format": args.format, "encoding": args.encoding,
               "quoting": args.quoting or "auto",
               "text_columns": [c.strip() for c in args.text_columns.split(",")] if args.text_columns else None}
+    from training.paths import PathRefused, allow_typed, local_model_path
+
+    try:
+        allow_typed(params["dataset"], local_model_path("model_uri", args.model_uri))  # typed here: the user's own
+    except PathRefused as err:
+        print(f"zhflow: error: {err}", file=sys.stderr)
+        return 2
     try:
         params["label_map"] = read_label_map(args.label_map) if args.label_map else None
         check_evaluation(**params)
@@ -410,9 +421,9 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         return predict_command(args)
     try:
         config = build_config(args)
-        from training.paths import check_config_paths
+        from training.paths import allow_typed, config_paths
 
-        check_config_paths(config)
+        allow_typed(*config_paths(config))  # the user's own files: only paths from flow parameters are confined
     except ConfigError as err:
         parser.exit(2, f"zhflow: error: {err}\n")
     if args.command == "preprocess":

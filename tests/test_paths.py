@@ -1,5 +1,6 @@
 """Paths from parameters are resolved and refused when they leave the allowed folders (the working folder, the zhflow
-home and $ZHFLOW_ALLOWED_PATHS): in the CLI, in the flows (what the Prefect UI form calls) and in evaluation."""
+home and $ZHFLOW_ALLOWED_PATHS): in the flows (what the Prefect UI form calls) and in evaluation; paths typed at the
+shell are the user's own."""
 
 from __future__ import annotations
 
@@ -71,25 +72,32 @@ def test_model_uris_are_checked_when_they_are_local_paths(confined):
     check_model_uri("model_uri", f"file://{confined[0]}/model")
 
 
-def test_the_cli_refuses_before_anything_starts(confined, capsys):
+def test_a_path_typed_at_the_shell_is_the_users_own(confined, capsys, tmp_path):
+    """The person at the shell can read the file anyway: the CLI takes it (and its worker processes get it through
+    $ZHFLOW_ALLOWED_PATHS); a flow parameter naming the same file is still refused (below)."""
+    import os
+
     from flows.cli import main
 
-    work, _ = confined
-    with pytest.raises(SystemExit) as exit_:
-        main(["run", "--dataset", "../outside/secret.csv"])
-    assert exit_.value.code == 2
-    assert "data.dataset: ../outside/secret.csv resolves to" in capsys.readouterr().err
-    assert not (work / ".zhflow").exists() and not (work / "mlflow.db").exists()
+    work, outside = confined
+    out = tmp_path / "prepared"
+    assert main(["preprocess", "--preset", "tiny", "--dataset", "../outside/secret.csv", "--out", str(out)]) == 0
+    assert (out / "manifest.json").is_file()
+    assert str(outside / "secret.csv") in os.environ["ZHFLOW_ALLOWED_PATHS"].split(os.pathsep)
+    assert check_path("data.dataset", outside / "secret.csv")  # the file itself, not its folder
+    with pytest.raises(PathRefused):
+        check_path("data.dataset", outside / "other.csv")
 
 
-def test_the_evaluate_command_refuses_a_dataset_or_model_outside(confined, capsys):
+def test_the_evaluate_command_takes_a_dataset_or_model_typed_outside(confined, capsys):
     from flows.cli import main
 
     _, outside = confined
-    assert main(["evaluate", "--model-uri", "models:/m/1", "--dataset", str(outside / "secret.csv")]) == 2
-    assert "dataset: " in capsys.readouterr().err
-    assert main(["evaluate", "--model-uri", f"file://{outside}/model", "--dataset", "inside.csv"]) == 2
-    assert f"model_uri: {outside}/model resolves to" in capsys.readouterr().err
+    assert main(["evaluate", "--model-uri", f"file://{outside}/model", "--dataset", str(outside / "secret.csv")]) == 2
+    err = capsys.readouterr().err
+    assert "allowed folders" not in err and "model" in err  # refused only because there is no model there
+    assert main(["evaluate", "--model-uri", "file://other-host/srv/model", "--dataset", "inside.csv"]) == 2
+    assert "names a file on another host" in capsys.readouterr().err
 
 
 def test_the_flow_refuses_a_form_path_before_any_run_is_recorded(confined, prefect_server, mlflow_store):

@@ -4,7 +4,7 @@ refused when they leave the allowed folders.
 Allowed: the working folder (where the run starts; for a deployment, the folder ``zhflow deploy`` ran in), the
 zhflow home (``$ZHFLOW_HOME``, else ``./.zhflow``), and the folders listed in ``$ZHFLOW_ALLOWED_PATHS``
 (separated by ``:``). A parameter from the Prefect UI form cannot make a worker read ``/etc/shadow`` or
-``../../other-team/data.csv``.
+``../../other-team/data.csv``. Paths typed on the command line are allowed as they are (:func:`allow_typed`).
 """
 
 from __future__ import annotations
@@ -47,6 +47,23 @@ def check_path(field: str, value: str | os.PathLike | None) -> Path | None:
     return resolved
 
 
+def allow_typed(*values: str | os.PathLike | None) -> None:
+    """Paths typed at the shell are the user's own (they can read those files anyway): each one joins the allowed
+    folders of this process, and of the worker processes it starts, through ``$ZHFLOW_ALLOWED_PATHS``. Only the CLI
+    calls this; a path that arrives as a flow parameter (the Prefect form, a deployment run, the API) is still checked."""
+    extra = [str(Path(v).expanduser().resolve()) for v in values
+             if v is not None and str(v) not in ("", *BUILTIN_DATASETS) and "\0" not in str(v)]
+    if extra:
+        current = [p for p in os.environ.get(ALLOWED_ENV, "").split(os.pathsep) if p.strip()]
+        os.environ[ALLOWED_ENV] = os.pathsep.join(current + [p for p in extra if p not in current])
+
+
+def config_paths(config: PipelineConfig) -> list[str]:
+    """The file settings of ``config`` that are set."""
+    values = (getattr(getattr(config, f.split(".")[0]), f.split(".")[1]) for f in PATH_FIELDS)
+    return [v for v in values if v]
+
+
 def check_config_paths(config: PipelineConfig) -> None:
     """Every file a run reads, as named in ``config``, inside the allowed folders."""
     for field in PATH_FIELDS:
@@ -64,10 +81,16 @@ def check_space_paths(space: dict[str, dict]) -> None:
 def check_model_uri(field: str, uri: str) -> None:
     """A local model (``/x``, ``./x``, ``file:/x``, ``file://localhost/x``, %-escapes decoded) inside the allowed
     folders; ``file://`` on another host refused; registry, run and server URIs as they are."""
+    check_path(field, local_model_path(field, uri))
+
+
+def local_model_path(field: str, uri: str) -> str | None:
+    """The local path a model URI names (``file:`` decoded), None for registry, run and server URIs."""
     parts = urlsplit(uri)
     if parts.scheme == "file":
         if parts.netloc not in ("", "localhost"):
             raise PathRefused(f"{field}: {uri} names a file on another host ({parts.netloc}); give a local path")
-        check_path(field, unquote(parts.path))
-    elif not parts.scheme or len(parts.scheme) == 1:  # a plain path (a Windows drive letter reads as a scheme)
-        check_path(field, uri)
+        return unquote(parts.path)
+    if not parts.scheme or len(parts.scheme) == 1:  # a plain path (a Windows drive letter reads as a scheme)
+        return uri
+    return None
