@@ -31,7 +31,8 @@ from prefect.runtime import flow_run
 from training.paths import PathRefused, check_model_uri, check_path
 from training.data.readers import RawDataset, decode, read_dataset
 from training.metrics import log_evaluation
-from tasks.tracking import PARENT_KIND_TAG, link_to_mlflow, metrics_artifact, origin_tags
+from tasks.tracking import PARENT_KIND_TAG, link_to_mlflow, metrics_artifact, origin_tags, init_local_store,
+                            training_experiment
 
 REGISTERED_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))/?")
 LABEL_MAP_HELP = 'map them with --label-map FILE (or the flow\'s label_map): JSON {"dataset label": "model label"} or a two-column CSV'
@@ -137,9 +138,9 @@ def score_model(
     """Check, predict, log the evaluation into a new run of ``experiment``; return the summary."""
     model, raw, blank = check_evaluation(model_uri, dataset, label_map, text_column, label_column, text_columns, format,
                                          encoding, quoting)
+    init_local_store()
     client = MlflowClient()
-    exp = client.get_experiment_by_name(experiment)
-    experiment_id = exp.experiment_id if exp else client.create_experiment(experiment)
+    experiment_id = training_experiment(client, experiment)
     tags = {PARENT_KIND_TAG: "evaluate", "model_uri": model_uri, "registered_model": model.name,
             "model_version": model.version, "model_id": model.model_id, "source_run_id": model.source_run_id,
             **origin_tags()}

@@ -90,18 +90,54 @@ def origin_tags() -> dict[str, str]:
     return tags
 
 
+def init_local_store() -> None:
+    """Create a local SQLite tracking store's schema under a file lock: two first runs started together in a folder
+    without ``mlflow.db`` would otherwise both run MLflow's migrations on the same new file, and one fails
+    (``Online migration expected to match one row``). Once the schema exists, the lock costs one open."""
+    uri = mlflow.get_tracking_uri()
+    if not uri.startswith("sqlite:///"):
+        return
+    from filelock import FileLock
+    from mlflow.tracking._tracking_service.utils import _get_store
+
+    path = Path(uri[len("sqlite:///"):].split("?")[0])  # sqlite:///rel.db or sqlite:////abs.db
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock", timeout=600):
+        _get_store()  # MLflow creates or upgrades the schema as it opens the store
+
+
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # the MLflow UI opens an experiment on its training runs, not the GenAI view
+EXPERIMENT_KIND = "custom_model_development"
+
+
+def training_experiment(client: MlflowClient, name: str) -> str:
+    """The id of experiment ``name``, created if missing (a run started at the same moment may create it first),
+    marked as a model-training experiment unless its kind is already set."""
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        try:
+            return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+        except MlflowException as err:
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                raise err
+    if EXPERIMENT_KIND_TAG not in exp.tags:
+        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    return exp.experiment_id
+
+
 @task(name="open-mlflow-run")
 def open_pipeline_run(config: PipelineConfig, experiment: str, kind: str = "train_pipeline") -> dict:
     """Create the parent run and log every setting as a flat param (``train.lr``); first settle what killed
     zhflow processes left behind (``tasks.recover``)."""
+    init_local_store()
     client = MlflowClient()
     settled = recover(client)
     if settled["ended_processes"] or settled["failed_runs"]:
         get_run_logger().warning("settled what killed zhflow processes left behind: ended process(es) %s; marked FAILED "
                                  "the MLflow run(s) they left RUNNING: %s", settled["ended_processes"] or "none",
                                  settled["failed_runs"] or "none")
-    exp = client.get_experiment_by_name(experiment)
-    experiment_id = exp.experiment_id if exp else client.create_experiment(experiment)
+    experiment_id = training_experiment(client, experiment)
     tags = {PARENT_KIND_TAG: kind, "zhflow.version": training.__version__, **origin_tags()}
     if commit := git_commit():
         tags["mlflow.source.git.commit"] = commit
