@@ -77,9 +77,12 @@ def test_two_process_ddp_run_per_family(tmp_path, prepared, mlflow_store, family
     run = client.create_run(client.create_experiment(f"ddp-{family}"))
     job = _job(tmp_path, prepared, family=family, run_id=run.info.run_id)
     job = job.model_copy(update={"model": job.model.model_copy(update={"input": inputs})})
-    out = _run(_cmd(job, tmp_path), _env(MLFLOW_TRACKING_URI=mlflow_store))
+    out = _run(_cmd(job, tmp_path), _env(MLFLOW_TRACKING_URI=mlflow_store, MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1"))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "2 process(es) on cpu" in out.stdout
+    # rank 0 records MLflow's system metrics into the run, once a sample (rank 1 would repeat every step)
+    _no_duplicate_steps(client, run.info.run_id, "system/cpu_utilization_percentage")
+    assert "system/system_memory_usage_megabytes" in client.get_run(run.info.run_id).data.metrics
 
     result = json.loads((tmp_path / "out" / "result.json").read_text())
     assert result["world_size"] == 2 and result["epochs_run"] == 3

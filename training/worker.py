@@ -336,6 +336,13 @@ def main(argv: list[str] | None = None) -> dict:
     if threads > 0:
         torch.set_num_threads(threads)
     info = distributed.setup()
+    monitor = None
+    run_id = job.mlflow_run_id or os.environ.get("MLFLOW_RUN_ID")
+    if info.is_main and run_id:  # CPU, memory, disk, network (and GPU, with nvidia-ml-py) as system/* metrics
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(run_id, resume_logging=True)  # an elastic restart goes on from its last step
+        monitor.start()
     try:
         Path(job.out_dir).mkdir(parents=True, exist_ok=True)
         trainer = Trainer(job, info)
@@ -343,6 +350,8 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{len(trainer.train_set)} train / {len(trainer.val_set)} val texts; {trainer.total_steps} steps")
         return trainer.train()
     finally:
+        if monitor is not None:
+            monitor.finish()
         distributed.cleanup()
 
 
