@@ -13,6 +13,7 @@ Runs missed while no worker ran: only the newest missed run of a deployment runs
 
 from __future__ import annotations
 
+import json
 import os
 
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
@@ -22,6 +23,7 @@ from prefect.schedules import Cron
 from flows.evaluate import evaluate
 from flows.pipeline import train_pipeline
 from flows.sweep import sweep
+from training.config import PipelineConfig, default
 
 TIMEZONE = os.environ.get("ZHFLOW_TIMEZONE", "Asia/Shanghai")
 ONE_AT_A_TIME = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
@@ -76,9 +78,21 @@ TITLES = {
 }
 
 
+# the settings sections of the form: their fields start empty (no schema default), so that the form sends only what
+# a person typed and every setting left empty comes from the chosen preset (training.config.on_preset)
+SECTIONS = {field.annotation.__name__: section for section, field in PipelineConfig.model_fields.items()}
+
+
 def _titled(deployment: RunnerDeployment) -> RunnerDeployment:
-    for name, field in deployment._parameter_openapi_schema.properties.items():
+    schema = deployment._parameter_openapi_schema
+    for name, field in schema.properties.items():
         field["title"] = TITLES.get(name, name.replace("_", " ").capitalize())
+    shown = default().model_dump(mode="json")
+    for name, definition in (schema.definitions or {}).items():
+        for key, field in definition.get("properties", {}).items() if name in SECTIONS else ():
+            field.pop("default", None)
+            value = json.dumps(shown[SECTIONS[name]][key], ensure_ascii=False)
+            field["description"] = f"{field.get('description', '').rstrip()} Empty: the preset's value (default preset: {value})."
     return deployment
 
 

@@ -12,7 +12,7 @@ from typing import Optional
 from prefect import flow
 from prefect.runtime import flow_run
 
-from training.config import ExperimentName, PipelineConfig, PresetName, default, on_preset
+from training.config import ExperimentName, PipelineConfig, PresetName, on_preset
 from training.paths import check_config_paths
 from tasks.baseline import baseline_model
 from tasks.candidates import ensemble_candidate, linear_candidate, select_candidate
@@ -36,14 +36,14 @@ def _run_name() -> str:
 
 @flow(name="train_pipeline", flow_run_name=_run_name, log_prints=True,
       on_failure=[fail_open_runs], on_crashed=[fail_open_runs], on_cancellation=[fail_open_runs])
-def train_pipeline(config: PipelineConfig = default(), experiment: ExperimentName = "zhflow",
+def train_pipeline(config: Optional[PipelineConfig] = None, experiment: ExperimentName = "zhflow",
                    preset: Optional[PresetName] = None) -> dict:
     """Train, prune, fine-tune, evaluate and register a Chinese text classifier; every stage tracked in MLflow.
 
     Args:
-        config: Every setting of the run. With a preset, only the settings changed from their defaults here apply, on top of the preset.
+        config: The settings of the run. With a preset, every setting given here applies, whatever its value, and every one left empty comes from the preset.
         experiment: MLflow experiment of the run (created if missing).
-        preset: Start from a preset: tiny (a 600-text subset, seconds), default (the whole corpus, minutes on a CPU), gpu (a wider model for a CUDA machine). Empty: the settings below as they are.
+        preset: Start from a preset: tiny (a 600-text subset, seconds), default (the whole corpus, minutes on a CPU), gpu (a wider model for a CUDA machine). Empty: the settings as given (the default preset when none are).
     """
     slot = scheduled_slot()
     if slot["superseded"]:

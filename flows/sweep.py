@@ -16,7 +16,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
-from training.config import ExperimentName, PipelineConfig, PresetName, default, on_preset
+from training.config import ExperimentName, PipelineConfig, PresetName, on_preset
 from training.paths import check_config_paths, check_space_paths
 from training.sweep import DEFAULT_SPACE, check_space, grid
 from flows.pipeline import choose_candidate
@@ -50,7 +50,7 @@ def _in_window(submit, count: int, width: int) -> list:
 @flow(name="sweep", flow_run_name=_name, log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=16),
       on_failure=[fail_open_runs], on_crashed=[fail_open_runs], on_cancellation=[fail_open_runs])
 def sweep(
-    config: PipelineConfig = default(),
+    config: Optional[PipelineConfig] = None,
     trials: Annotated[int, Field(ge=1, le=10_000)] = 8,
     sampler: Literal["tpe", "random", "grid"] = "tpe",
     pruner: Literal["median", "successive_halving", "none"] = "median",
@@ -64,7 +64,7 @@ def sweep(
     """Search the settings with Optuna (bad trials stopped early), then evaluate and register the best model.
 
     Args:
-        config: The settings every trial starts from; the search space overrides some of them.
+        config: The settings every trial starts from; the search space overrides some of them. With a preset, every setting given here applies, whatever its value, and every one left empty comes from the preset.
         trials: Trials to run in this call (a continued study adds them to its earlier ones).
         sampler: tpe (Bayesian), random, or grid (every combination of the space's choices).
         pruner: Stops a trial whose validation macro-F1 falls behind: median of the finished trials at the same epoch, or successive halving.
@@ -73,7 +73,7 @@ def sweep(
         study: Optuna study name; running again with the same name continues that study. Empty: a new study.
         seed: Seed of the sampler: with parallel 1, the same seed and space give the same suggestions.
         experiment: MLflow experiment of the sweep's runs.
-        preset: Start the trials from a preset (tiny, default, gpu); only the settings changed from their defaults in config apply on top. Empty: config as it is.
+        preset: Start the trials from a preset (tiny, default, gpu), the settings given in config on top. Empty: config as it is (the default preset when config is empty too).
     """
     logger = get_run_logger()
     if trials < 1 or parallel < 1:

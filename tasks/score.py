@@ -31,8 +31,8 @@ from prefect.runtime import flow_run
 from training.paths import PathRefused, check_model_uri, check_path
 from training.data.readers import RawDataset, decode, read_dataset
 from training.metrics import log_evaluation
-from tasks.tracking import PARENT_KIND_TAG, link_to_mlflow, metrics_artifact, origin_tags, init_local_store,
-                            training_experiment
+from tasks.tracking import (PARENT_KIND_TAG, init_local_store, link_to_mlflow, metrics_artifact, origin_tags,
+                            training_experiment)
 
 REGISTERED_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))/?")
 LABEL_MAP_HELP = 'map them with --label-map FILE (or the flow\'s label_map): JSON {"dataset label": "model label"} or a two-column CSV'

@@ -61,15 +61,32 @@ def test_every_field_has_a_description():
             assert spec.get("description"), f"{name}.{field} has no description"
 
 
-def test_a_preset_with_form_changes_on_top():
-    """The Prefect form shows the default settings and a preset: the changed fields apply on top of the preset."""
-    from training.config import default, on_preset, tiny
+def test_a_preset_with_the_settings_a_person_typed_on_top():
+    """Every setting given applies whatever its value (one equal to the default preset's too); the rest come from the
+    preset. No preset: the settings as they are; nothing at all: the default preset."""
+    from training.config import on_preset
 
-    assert on_preset(default(), None) == default()
-    assert on_preset(default(), "tiny") == tiny()
-    changed = default().model_copy(deep=True)
-    changed.train.epochs = 2
-    changed.model.name = "bilstm"
-    moved = on_preset(changed, "tiny")
-    assert (moved.train.epochs, moved.model.name, moved.data.max_samples) == (2, "bilstm", 600)
+    assert on_preset(None, None) == default() and on_preset(None, "tiny") == tiny()
+    assert on_preset(tiny(), None) == tiny()
+    typed = PipelineConfig.model_validate({"train": {"lr": default().train.lr, "epochs": 2}, "model": {"name": "bilstm"}})
+    moved = on_preset(typed, "tiny")
+    assert (moved.train.lr, moved.train.epochs, moved.model.name) == (1e-3, 2, "bilstm")  # tiny's lr is 5e-3
+    assert (moved.data.max_samples, moved.train.batch_size) == (600, 32)  # left alone: tiny's
     assert moved.model.hidden_size == 32  # the bilstm family's tiny defaults
+
+
+def test_the_flows_take_a_preset_and_typed_settings_as_prefect_validates_their_parameters():
+    """What the Prefect form or ``prefect deployment run --param config='{...}' --param preset=tiny`` sends, through
+    the flows' own parameter validation: typed values kept, whatever they are, the rest from the preset."""
+    from flows.pipeline import train_pipeline
+    from flows.sweep import sweep
+    from training.config import on_preset
+
+    for flow in (train_pipeline, sweep):
+        sent = {"config": {"train": {"lr": 0.001}, "model": {"input": "word"}}, "preset": "tiny"}
+        params = flow.validate_parameters(sent)
+        config = on_preset(params["config"], params["preset"])
+        assert (config.train.lr, config.model.input) == (0.001, "word")  # both equal PipelineConfig's own defaults
+        assert (config.train.epochs, config.data.max_samples, config.model.embed_dim) == (4, 600, 32)
+        assert on_preset(flow.validate_parameters({})["config"], None) == default()
+        assert on_preset(flow.validate_parameters({"preset": "tiny"}).get("config"), "tiny") == tiny()

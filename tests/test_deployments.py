@@ -44,8 +44,13 @@ def test_every_form_field_has_a_title_a_description_and_bounds(deployment):
                 assert {"maximum", "exclusiveMaximum"} & set(option), f"{deployment.name}: {where} has no upper bound"
 
 
+def _deployed(name: str) -> dict:
+    """The parameter schema of a deployment as `zhflow deploy` / `zhflow serve` make it (titles, empty settings)."""
+    return _schema(next(d for d in deployments() if d.name == name))
+
+
 def test_choices_are_enums():
-    retrain = _schema(nightly_retrain())
+    retrain = _deployed("nightly-retrain")
     defs = retrain["definitions"]
     assert _enum(retrain["properties"]["preset"]) == ["tiny", "default", "gpu"]
     assert _enum(defs["DataConfig"]["properties"]["dataset"]) == list(BUILTIN_DATASETS)
@@ -53,8 +58,11 @@ def test_choices_are_enums():
     assert _enum(defs["ModelConfig"]["properties"]["name"]) == ["textcnn", "bilstm", "transformer"]
     assert _enum(defs["PruneConfig"]["properties"]["method"]) == list(PRUNE_METHODS)
     candidates = defs["SelectConfig"]["properties"]["candidates"]
-    assert candidates["items"]["enum"] == ["neural", "linear", "ensemble"] and candidates["default"] == ["neural", "linear", "ensemble"]
-    sweep = _schema(weekly_sweep())
+    assert candidates["items"]["enum"] == ["neural", "linear", "ensemble"]
+    # the settings start empty, so that the form sends only what a person typed; the preset fills the rest
+    assert "default" not in candidates and '(default preset: ["neural", "linear", "ensemble"])' in candidates["description"]
+    assert '(default preset: "both")' in defs["ModelConfig"]["properties"]["input"]["description"]
+    sweep = _deployed("weekly-sweep")
     assert "SelectConfig" in sweep["definitions"]  # a sweep's final choice uses the same candidates
     assert _enum(sweep["properties"]["sampler"]) == ["tpe", "random", "grid"]
     assert _enum(sweep["properties"]["pruner"]) == ["median", "successive_halving", "none"]

@@ -416,19 +416,25 @@ PresetName = Literal["tiny", "default", "gpu"]
 ExperimentName = Annotated[str, Field(min_length=1, max_length=200)]
 
 
-def on_preset(config: PipelineConfig, name: str | None) -> PipelineConfig:
-    """``config`` moved onto preset ``name``: the preset (with the family defaults of ``config.model.name``), then every
-    setting where ``config`` differs from ``default()``. This is how a Prefect form that shows the default settings
-    and a preset choice reads: "the tiny preset, with 2 epochs". ``name`` None returns ``config`` unchanged."""
+def typed(config: PipelineConfig) -> dict[str, dict[str, Any]]:
+    """The settings given when ``config`` was built (pydantic's ``model_fields_set``), by section: what a person typed
+    into the Prefect form or ``--param config=...``, not the values the schema would fill in."""
+    return {section: {key: getattr(getattr(config, section), key) for key in getattr(config, section).model_fields_set}
+            for section in config.model_fields_set}
+
+
+def on_preset(config: PipelineConfig | None, name: str | None) -> PipelineConfig:
+    """The settings a flow runs with. A preset: the preset (with the family defaults of a given ``model.name``), then
+    every setting given in ``config`` whatever its value; the rest come from the preset. No preset: ``config`` as it
+    is. Neither: the default preset."""
+    if config is None:
+        return preset(name or "default")
     if name is None:
         return config
-    family = config.model.name if config.model.name != ModelConfig().name else None
-    data = preset(name, family).model_dump()
-    base, given = default().model_dump(), config.model_dump()
+    given = typed(config)
+    data = preset(name, given.get("model", {}).get("name")).model_dump()
     for section, values in given.items():
-        for key, value in values.items():
-            if value != base[section][key] and (section, key) != ("model", "name"):
-                data[section][key] = value
+        data[section].update(values)
     return validate(data)
 
 
