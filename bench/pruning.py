@@ -8,7 +8,6 @@ is reported.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from training.evaluate import load_model, open_split, split_macro_f1
 from training.measure import latency
 from training.models import min_input_len
 from training.prune import prune, sparsity
+from training.events import read_result
 
 # (method, amount, rounds): rounds > 1 is the iterative schedule (cubic), one fine-tune epoch per round
 FULL = [("structured", 0.3, 1), ("structured", 0.5, 1), ("structured", 0.7, 1), ("structured", 0.7, 3),
@@ -42,7 +42,7 @@ def _worker(job: WorkerJob, out: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"}
     subprocess.run([sys.executable, "-m", "training.worker", "--config", str(out / "job.json")], check=True, env=env,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return json.loads((out / "result.json").read_text())
+    return read_result(out)
 
 
 def _test_f1(checkpoint: str, prepared: Path, max_len: int) -> float:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from training.data.dataset import pad_batch
 from training.data.prepare import load_manifest, prepare_dataset
 from training.evaluate import open_split
 from training.models import build_model, min_input_len
+from training.events import read_result
 
 FAMILIES = ("textcnn", "bilstm", "transformer")
 EPOCHS = 2  # the rate of the last epoch is used: the first pays for warm-up
@@ -39,7 +39,7 @@ def _worker_rate(prepared: Path, family: str, nproc: int, tmp: Path, threads: in
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                     "-m", "training.worker", "--config", str(out / "job.json")],
                    check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return json.loads((out / "result.json").read_text())["epoch_samples_per_second"][-1]
+    return read_result(out)["epoch_samples_per_second"][-1]
 
 
 def _bare_rate(prepared: Path, family: str) -> float:

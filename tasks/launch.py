@@ -1,6 +1,7 @@
 """The torchrun launcher: builds the command, streams the workers' output into
-the Prefect log as it comes, mirrors progress into a Prefect progress artifact,
-and always leaves no process behind.
+the Prefect log as it comes, follows the worker's events (training.events:
+progress into a Prefect progress artifact, each epoch to a sweep's pruner, the
+result), and always leaves no process behind.
 
 One machine:   torchrun --standalone --nproc-per-node N --max-restarts R -m training.worker --config job.json
 Several:       torchrun --nnodes M --node-rank K --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID \
@@ -16,6 +17,8 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -26,9 +29,9 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from tasks.recover import OWNER_ENV, owner
 from training.config import TrainConfig, WorkerJob
-from training.worker import EPOCH_MARKER
+from training.events import EVENTS_FILE, EventReader
 
-_PROGRESS = re.compile(r"epoch (\d+)/(\d+) \[\s*(\d+)%\]")
+POLL_SECONDS = 0.2  # how often the events file is read while the workers run
 _ERROR_LINE = re.compile(r"^\s*(\w+\.)*\w*(Error|Exception|Interrupt)\b.*")
 
 
@@ -98,7 +101,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def launch_training(job: WorkerJob, on_epoch: Callable[[int, dict], bool] | None = None, cpus: int | None = None,
                     gpus: list[int] | None = None) -> dict:
-    """Run the worker under torchrun and return its result.json; a failure raises with the worker's error.
+    """Run the worker under torchrun and return the result it reports; a failure raises with the worker's error.
 
     ``on_epoch(epoch, metrics)`` sees each epoch's validation metrics as they come; when it returns True the
     whole process group is ended and ``{"stopped_by": "on_epoch", ...}`` returned (a sweep's pruner).
@@ -111,8 +114,9 @@ def launch_training(job: WorkerJob, on_epoch: Callable[[int, dict], bool] | None
     out_dir.mkdir(parents=True, exist_ok=True)
     job_file = out_dir / "job.json"
     job_file.write_text(job.model_dump_json(indent=2))
-    error_file = out_dir / "error.json"
+    error_file, events_file = out_dir / "error.json", out_dir / EVENTS_FILE
     error_file.unlink(missing_ok=True)
+    events_file.unlink(missing_ok=True)  # a retry of the task starts a new stream (the worker resumes from last.pt)
     cmd = torchrun_command(job_file, nproc, job.train, rdzv_id=job.mlflow_run_id or out_dir.name)
     env = dict(os.environ, PYTHONUNBUFFERED="1", MLFLOW_TRACKING_URI=mlflow.get_tracking_uri(),
                TORCHELASTIC_ERROR_FILE=str(error_file), **{OWNER_ENV: owner()})  # found again if this process is killed
@@ -125,38 +129,50 @@ def launch_training(job: WorkerJob, on_epoch: Callable[[int, dict], bool] | None
     logger.info("launching: %s", " ".join(cmd))
     artifact = create_progress_artifact(progress=0.0, key=f"{job.stage.replace('_', '-')}-progress", description=f"{job.stage}: epochs done")
     tail: collections.deque[str] = collections.deque(maxlen=200)
+    events = EventReader(events_file)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                             env=env, start_new_session=True)
-    history: list[dict] = []
+    # the output for people goes to the Prefect log as it comes; what the launcher acts on comes as events
+    echo = threading.Thread(target=_echo, args=(proc, logger, tail), daemon=True, name=f"{job.stage}-output")
+    echo.start()
+    history: dict[int, dict] = {}  # by epoch: an elastic restart repeats the epochs after its checkpoint
+    result = None
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip()
-            if line.startswith(EPOCH_MARKER):
-                try:
-                    history.append(json.loads(line[len(EPOCH_MARKER):]))
-                except ValueError:  # interleaved with another process's output: log it, carry on
-                    logger.info(line)
-                    continue
-                if on_epoch is not None and on_epoch(history[-1]["epoch"], history[-1]):
-                    logger.info("%s: stopped after epoch %d (pruned by the sweep)", job.stage, history[-1]["epoch"])
-                    _stop(proc)
-                    best = max(h["val_macro_f1"] for h in history)
-                    return {"stopped_by": "on_epoch", "epochs_run": history[-1]["epoch"], "best_val_macro_f1": best,
-                            "history": history}
-                continue
-            tail.append(line)
-            logger.info(line)
-            if m := _PROGRESS.search(line):
-                epoch, epochs, pct = (int(g) for g in m.groups())
-                update_progress_artifact(artifact, progress=round(100 * (epoch - 1 + pct / 100) / epochs, 1))
+        while True:
+            running = proc.poll() is None
+            for event in events.read():
+                kind = event.pop("event")
+                if kind == "progress":
+                    done = (event["epoch"] - 1 + event["fraction"]) / event["epochs"]
+                    update_progress_artifact(artifact, progress=round(100 * done, 1))
+                elif kind == "epoch":
+                    history[event["epoch"]] = event
+                    if on_epoch is not None and on_epoch(event["epoch"], event):
+                        logger.info("%s: stopped after epoch %d (pruned by the sweep)", job.stage, event["epoch"])
+                        _stop(proc)
+                        best = max(h["val_macro_f1"] for h in history.values())
+                        return {"stopped_by": "on_epoch", "epochs_run": event["epoch"], "best_val_macro_f1": best,
+                                "history": [history[e] for e in sorted(history)]}
+                elif kind == "result":
+                    result = event
+            if not running:
+                break
+            time.sleep(POLL_SECONDS)
         rc = proc.wait()
     finally:
         _stop(proc)  # also on cancellation or an exception in this process: no orphaned workers
+        echo.join(timeout=10)
     if rc != 0:
         cause = _root_cause(error_file) or _error_summary(list(tail))
         raise TrainingFailed(f"{job.stage}: torchrun exited with code {rc}: {cause}\n" + "\n".join(list(tail)[-30:]))
-    result_file = out_dir / "result.json"
-    if not result_file.is_file():
-        raise TrainingFailed(f"{job.stage}: the worker exited cleanly but wrote no {result_file}")
-    return json.loads(result_file.read_text())
+    if result is None:
+        raise TrainingFailed(f"{job.stage}: the worker exited cleanly but reported no result in {events_file}")
+    return result
+
+
+def _echo(proc: subprocess.Popen, logger, tail: collections.deque) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip()
+        tail.append(line)
+        logger.info(line)

@@ -1,6 +1,5 @@
 """The worker under real torchrun on CPU (gloo): families, restarts, several nodes, parallel runs."""
 
-import json
 import os
 import signal
 import socket
@@ -13,6 +12,7 @@ from mlflow.tracking import MlflowClient
 from training.checkpoint import load_checkpoint
 from training.config import WorkerJob, preset, tiny
 from training.data.prepare import prepare_dataset
+from training.events import EVENTS_FILE, EventReader, read_result
 
 pytestmark = pytest.mark.slow
 
@@ -84,12 +84,18 @@ def test_two_process_ddp_run_per_family(tmp_path, prepared, mlflow_store, family
     _no_duplicate_steps(client, run.info.run_id, "system/cpu_utilization_percentage")
     assert "system/system_memory_usage_megabytes" in client.get_run(run.info.run_id).data.metrics
 
-    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    result = read_result(tmp_path / "out")
     assert result["world_size"] == 2 and result["epochs_run"] == 3
     state = load_checkpoint(result["best_checkpoint"])
     assert state["epoch"] == result["best_epoch"] and state["model_config"]["name"] == family
 
     assert _no_duplicate_steps(client, run.info.run_id, "val_macro_f1") == [1, 2, 3]  # only rank 0 logged
+    # the events the launcher acts on: rank 0's only, progress within each epoch, one per epoch, the result last
+    events = EventReader(tmp_path / "out" / EVENTS_FILE).read()
+    assert [e["epoch"] for e in events if e["event"] == "epoch"] == [1, 2, 3] and events[-1]["event"] == "result"
+    progress = [e for e in events if e["event"] == "progress"]
+    assert progress and all(0 < e["fraction"] <= 1 and e["epochs"] == 3 for e in progress)
+    assert "ZHFLOW_EPOCH" not in out.stdout  # nothing machine-readable is mixed into the output for people
     _no_duplicate_steps(client, run.info.run_id, "train_loss")
     metrics = client.get_run(run.info.run_id).data.metrics
     assert metrics["samples_per_second"] > 0 and metrics["best_val_macro_f1"] == pytest.approx(result["best_val_macro_f1"])
@@ -104,7 +110,7 @@ def test_killed_rank_restarts_and_resumes_without_duplicate_metrics(tmp_path, pr
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (tmp_path / "killed").exists()  # rank 1 really died mid-epoch 2
     assert "resumed from" in out.stdout and "after epoch 1 (restart 1)" in out.stdout
-    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    result = read_result(tmp_path / "out")
     assert result["restarts"] == 1 and result["epochs_run"] == 3
     assert _no_duplicate_steps(client, run.info.run_id, "val_macro_f1") == [1, 2, 3]
     assert _no_duplicate_steps(client, run.info.run_id, "train_loss") == list(range(1, 10))
@@ -127,7 +133,7 @@ def test_two_nodes_meet_at_a_c10d_rendezvous(tmp_path, prepared):
         procs.append(_start(_cmd(job, tmp_path, nproc=1, extra=extra), _env()))
     outputs = _wait(procs)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o.stdout[-2000:] + o.stderr[-2000:] for o in outputs)
-    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    result = read_result(tmp_path / "out")
     assert result["world_size"] == 2 and result["epochs_run"] == 2
 
 
@@ -136,7 +142,7 @@ def test_two_runs_at_once_do_not_collide(tmp_path, prepared):
     outputs = _wait(procs)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o.stdout[-2000:] + o.stderr[-2000:] for o in outputs)
     for i in (0, 1):
-        assert json.loads((tmp_path / f"run{i}" / "result.json").read_text())["world_size"] == 2
+        assert read_result(tmp_path / f"run{i}")["world_size"] == 2
 
 
 def test_worker_error_reaches_the_caller(tmp_path, prepared):

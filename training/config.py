@@ -522,7 +522,7 @@ class WorkerJob(_Section):
 
     stage: str = Field(description="Which stage this run is (names the progress lines and the output folder).")
     prepared_dir: str = Field(description="Prepared dataset folder (manifest.json, *.npy).")
-    out_dir: str = Field(description="Where checkpoints and result.json go.")
+    out_dir: str = Field(description="Where checkpoints and the events file (training.events) go.")
     model: ModelConfig
     train: TrainConfig
     max_len: int = Field(ge=1, description="Texts are truncated to this many tokens.")

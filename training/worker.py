@@ -4,7 +4,8 @@
     python -m training.worker --config job.json                                   # one process
 
 ``job.json`` is a ``training.config.WorkerJob``. Rank 0 logs to MLflow (run id
-from the job or MLFLOW_RUN_ID), writes checkpoints and ``result.json``. After a
+from the job or MLFLOW_RUN_ID), writes checkpoints, and reports progress, each
+epoch and the result as events (``training.events``, ``events.jsonl``). After a
 restart (torchrun --max-restarts) it resumes from ``last.pt``.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import math
 import os
 import time
@@ -35,12 +35,12 @@ from training.config import WorkerJob
 from training.data.dataset import pad_batch, to_device
 from training.data.prepare import load_manifest
 from training.evaluate import open_split, predict_proba
+from training.events import EVENTS_FILE, EventWriter
 from training.models import build_model, min_input_len
 from training.prune import prunable_weights
 from training.metric_logger import MetricLogger, NullLogger
 
 
-EPOCH_MARKER = "ZHFLOW_EPOCH "
 
 
 class LRSchedule:
@@ -145,6 +145,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_schedule)
         run_id = job.mlflow_run_id or os.environ.get("MLFLOW_RUN_ID")
         self.log = MetricLogger(run_id) if info.is_main and run_id else NullLogger()
+        self.events = EventWriter(Path(job.out_dir) / EVENTS_FILE) if info.is_main else None
         self.epoch, self.step, self.best, self.best_epoch, self.bad_epochs = 0, 0, None, 0, 0
         self.improving_at_end = False  # whether the last epoch run was a better one (a warning if the maximum stops it)
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -195,6 +196,11 @@ class Trainer:
         if self.info.is_main:
             print(f"[{self.job.stage}] {msg}", flush=True)
 
+    def emit(self, event: str, **data) -> None:
+        """An event for the launcher (training.events), from rank 0 only."""
+        if self.events is not None:
+            self.events.emit(event, **data)
+
     def _run_epoch(self) -> float:
         self.sampler.set_epoch(self.epoch)
         self.model.train()
@@ -228,6 +234,7 @@ class Trainer:
             seen += len(labels)
             if i % report_every == 0 or i == n_batches:
                 rate = seen * self.info.world_size / (time.perf_counter() - started)
+                self.emit("progress", epoch=self.epoch + 1, epochs=t.epochs, fraction=i / n_batches)
                 self.print(f"epoch {self.epoch + 1}/{t.epochs} [{100 * i // n_batches:3d}%] "
                            f"step {i}/{n_batches} loss {np.mean(losses[-report_every:]):.4f} {rate:.0f} samples/s")
         self._epoch_rate = seen * self.info.world_size / (time.perf_counter() - started)
@@ -295,8 +302,7 @@ class Trainer:
             if self.info.is_main:  # checkpoint before the metrics reach MLflow: a restart never logs an epoch twice
                 self._save_last()
             self.log.flush()
-            if self.info.is_main:  # one machine-readable line per epoch: the launcher feeds it to a sweep's pruner
-                print(EPOCH_MARKER + json.dumps({"epoch": self.epoch, **val}), flush=True)
+            self.emit("epoch", epoch=self.epoch, **val)  # the launcher feeds it to a sweep's pruner
             self.print(f"epoch {self.epoch}/{t.epochs} done in {epoch_s:.1f}s: train loss {train_loss:.4f}, "
                        f"val macro-F1 {val['val_macro_f1']:.4f}, val acc {val['val_accuracy']:.4f}"
                        + (" (best)" if improved else f" (no gain {self.bad_epochs}/{t.patience})"))
@@ -314,8 +320,7 @@ class Trainer:
         self.log.set_tag("stop_reason", stop_reason)
         self.log.set_tag("still_improving", str(still_improving).lower())
         self.log.flush()
-        if self.info.is_main:
-            (self.out / "result.json").write_text(json.dumps(result, indent=2))
+        self.emit("result", **result)
         return result
 
 
