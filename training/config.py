@@ -445,16 +445,22 @@ class ConfigError(ValueError):
 
 
 def _parse_value(raw: str, annotation: Any) -> Any:
-    """A --set value as the field wants it: text for text fields, JSON or a comma list otherwise."""
-    text = str(annotation)
-    if annotation is str or text in ("typing.Optional[str]", "Optional[str]", "str | None"):
-        return None if raw in ("null", "") and "Optional" in text else raw
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        if "list" in text:  # kernel_sizes=3,4,5  text_columns=title,content
-            return [part.strip() for part in raw.split(",") if part.strip()]
-        return raw
+    """A --set value read by the field's own type: JSON (``3e-4``, ``[3, 4]``, ``null``), else the text as that type
+    reads it (``word``, ``true``, a path), else a comma list (``kernel_sizes=3,4,5``). A value none of them takes is
+    passed on as text, and validation names the field."""
+    adapter = TypeAdapter(annotation)
+    if raw in ("", "null"):
+        try:
+            return adapter.validate_python(None)
+        except ValidationError:
+            pass
+    for attempt in (adapter.validate_json, adapter.validate_strings,
+                    lambda text: adapter.validate_python([part.strip() for part in text.split(",") if part.strip()])):
+        try:
+            return attempt(raw)
+        except ValidationError:
+            continue
+    return raw
 
 
 def _describe(err: ValidationError, prefix: str = "") -> str:
