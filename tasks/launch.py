@@ -57,7 +57,7 @@ def resolve_nproc(requested: int | None) -> int:
     return requested
 
 
-def torchrun_command(job_file: Path, nproc: int, train: TrainConfig, rdzv_id: str) -> list[str]:
+def torchrun_command(job_file: Path, nproc: int | str, train: TrainConfig, rdzv_id: str) -> list[str]:
     """One machine: --standalone (a free local port, so parallel runs never collide).
     Several: the c10d rendezvous at train.rdzv_endpoint, shared by every node under one job id."""
     cmd = [sys.executable, "-m", "torch.distributed.run"]
@@ -117,14 +117,16 @@ def launch_training(job: WorkerJob, on_epoch: Callable[[int, dict], bool] | None
     error_file, events_file = out_dir / "error.json", out_dir / EVENTS_FILE
     error_file.unlink(missing_ok=True)
     events_file.unlink(missing_ok=True)  # a retry of the task starts a new stream (the worker resumes from last.pt)
-    cmd = torchrun_command(job_file, nproc, job.train, rdzv_id=job.mlflow_run_id or out_dir.name)
+    # torchrun's own "auto" (a process per GPU, else per CPU core) when the count is left to it
+    cmd = torchrun_command(job_file, "auto" if job.train.nproc is None else nproc, job.train,
+                           rdzv_id=job.mlflow_run_id or out_dir.name)
     env = dict(os.environ, PYTHONUNBUFFERED="1", MLFLOW_TRACKING_URI=mlflow.get_tracking_uri(),
                TORCHELASTIC_ERROR_FILE=str(error_file), **{OWNER_ENV: owner()})  # found again if this process is killed
     if job.mlflow_run_id:
         env["MLFLOW_RUN_ID"] = job.mlflow_run_id
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-    if available_devices()[0] == "cpu":
+    if available_devices()[0] == "cpu":  # the processes' share of the cores; torch reads it as it starts
         env["OMP_NUM_THREADS"] = str(max(1, (cpus or os.cpu_count() or 1) // nproc))
     logger.info("launching: %s", " ".join(cmd))
     artifact = create_progress_artifact(progress=0.0, key=f"{job.stage.replace('_', '-')}-progress", description=f"{job.stage}: epochs done")

@@ -337,9 +337,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--config", required=True, help="WorkerJob JSON file")
     args = parser.parse_args(argv)
     job = WorkerJob.model_validate_json(Path(args.config).read_text())
-    threads = int(os.environ.get("OMP_NUM_THREADS", "0"))
-    if threads > 0:
-        torch.set_num_threads(threads)
     info = distributed.setup()
     monitor = None
     run_id = job.mlflow_run_id or os.environ.get("MLFLOW_RUN_ID")
