@@ -143,8 +143,7 @@ def open_pipeline_run(config: PipelineConfig, experiment: str, kind: str = "trai
         tags["mlflow.source.git.commit"] = commit
     run = client.create_run(experiment_id, run_name=str(flow_run.name or kind), tags=tags)
     params = [Param(k, str(v)) for k, v in flatten(config).items()]
-    for start in range(0, len(params), 100):
-        client.log_batch(run.info.run_id, params=params[start : start + 100])
+    client.log_batch(run.info.run_id, params=params)  # MLflow splits it into requests of at most 100 params
     work_dir = work_root() / "runs" / run.info.run_id
     work_dir.mkdir(parents=True, exist_ok=True)
     url = mlflow_run_url(experiment_id, run.info.run_id)

@@ -1,7 +1,7 @@
 """Batched MLflow metric logging for rank 0; a null logger for the other ranks.
 
-Metrics are buffered and sent with one ``log_batch`` call per flush (once per
-epoch), not one request per step. Each point is stamped when it is added, so a batch sent again (the tracking
+Metrics are buffered and sent with one ``log_batch`` call per flush (once per epoch; MLflow splits it into requests
+of at most 1000), not one request per step. Each point is stamped when it is added, so a batch sent again (the tracking
 client's own retries after a timeout or a 5xx) carries the same (key, step, timestamp, value), and MLflow's SQL
 stores keep it once. Many processes may log at once: tests/test_parallel_writers.py has 8 of them logging for a
 minute to the SQLite store and 8 to a PostgreSQL-backed server, and finds every point once, with no lock errors
@@ -15,8 +15,6 @@ import time
 
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
-
-_MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch request
 
 
 class MetricLogger:
@@ -33,9 +31,9 @@ class MetricLogger:
         self.client.set_tag(self.run_id, key, value)
 
     def flush(self) -> None:
-        while self._buffer:
-            batch, self._buffer = self._buffer[:_MAX_BATCH], self._buffer[_MAX_BATCH:]
-            self.client.log_batch(self.run_id, metrics=batch)
+        if self._buffer:
+            self.client.log_batch(self.run_id, metrics=self._buffer)  # MLflow splits it into requests it accepts
+            self._buffer = []
 
 
 class NullLogger:
