@@ -10,6 +10,7 @@ import os
 import queue
 import tempfile
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -199,13 +200,20 @@ def run_trial(base: PipelineConfig, space: dict, study_name: str, storage: str, 
 
 
 def trials_table(study: optuna.Study) -> list[dict]:
-    """Every trial of the study: number, state, value, duration and settings."""
-    rows = []
-    for t in study.trials:
-        seconds = (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete and t.datetime_start else None
-        rows.append({"trial": t.number, "state": t.state.name.lower(), "best_val_macro_f1": t.value,
-                     "epochs": len(t.intermediate_values) or None, "seconds": seconds, **t.params})
-    return rows
+    """Every trial of the study (Optuna's ``trials_dataframe``): number, state, value, epochs, duration and settings."""
+    import pandas as pd
+
+    frame = study.trials_dataframe(attrs=("number", "state", "value", "intermediate_values", "duration", "params"))
+    if frame.empty:
+        return []
+    epochs = frame.filter(like="intermediate_values_").notna().sum(axis=1)
+    table = pd.DataFrame({"trial": frame["number"], "state": frame["state"].str.lower(), "best_val_macro_f1": frame["value"],
+                          "epochs": epochs.where(epochs > 0), "seconds": frame["duration"].dt.total_seconds()})
+    for column in frame.filter(like="params_").columns:
+        table[column.removeprefix("params_")] = frame[column]
+    table = table.astype(object).where(table.notna(), None)
+    return [{k: int(v) if k in ("trial", "epochs") and v is not None else v for k, v in row.items()}
+            for row in table.to_dict("records")]
 
 
 def _markdown(frame) -> str:
@@ -218,7 +226,8 @@ def _markdown(frame) -> str:
 
 
 def log_sweep_summary(study: optuna.Study, run_id: str) -> list[dict]:
-    """The trials table (MLflow table + markdown) and the optimisation-history plot on the sweep's parent run."""
+    """The trials table (MLflow table + markdown), Optuna's optimisation-history and intermediate-values (each
+    trial's validation macro-F1 per epoch, pruned ones included) plots on the sweep's parent run."""
     import pandas as pd
 
     from training.metrics import _pyplot, save_figure
@@ -228,23 +237,15 @@ def log_sweep_summary(study: optuna.Study, run_id: str) -> list[dict]:
     frame = pd.DataFrame(rows)
     client.log_table(run_id, frame, "trials.json")
     with tempfile.TemporaryDirectory() as tmp:
-        plt, _ = _pyplot([])
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        done = [r for r in rows if r["state"] == "complete"]
-        if done:
-            ax.plot([r["trial"] for r in done], [r["best_val_macro_f1"] for r in done], "o", label="complete")
-            best, running = [], -1.0
-            for r in done:
-                running = max(running, r["best_val_macro_f1"])
-                best.append(running)
-            ax.step([r["trial"] for r in done], best, where="post", label="best so far")
-        pruned = [t for t in study.trials if t.state.name == "PRUNED" and t.intermediate_values]
-        if pruned:
-            ax.plot([t.number for t in pruned], [max(t.intermediate_values.values()) for t in pruned], "x", color="grey",
-                    label="pruned (best epoch before it stopped)")
-        ax.set(xlabel="trial", ylabel="validation macro-F1", title=f"sweep {study.study_name}: optimisation history")
-        ax.legend()
-        save_figure(fig, Path(tmp) / "optimization_history.png")
+        _pyplot([])  # matplotlib without a display, with a CJK font
+        with warnings.catch_warnings():  # Optuna marks its matplotlib plots experimental
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            for name, plot, xlabel in (("optimization_history", optuna.visualization.matplotlib.plot_optimization_history, "trial"),
+                                       ("intermediate_values", optuna.visualization.matplotlib.plot_intermediate_values, "epoch")):
+                if any(t.state.is_finished() for t in study.trials):
+                    ax = plot(study)
+                    ax.set(xlabel=xlabel, ylabel="validation macro-F1", title=f"sweep {study.study_name}: {ax.get_title().lower()}")
+                    save_figure(ax.figure, Path(tmp) / f"{name}.png")
         (Path(tmp) / "trials.md").write_text(_markdown(frame), encoding="utf-8")
         client.log_artifacts(run_id, tmp)
     return rows

@@ -139,7 +139,7 @@ def test_sweep_prunes_persists_registers_and_serves(prefect_server, mlflow_store
             if t.data.tags["zhflow.trial_state"] == "complete"]
     assert done and all(client.get_metric_history(t.info.run_id, "val_macro_f1") for t in done)
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
-    assert {"trials.json", "trials.md", "optimization_history.png"} <= artifacts
+    assert {"trials.json", "trials.md", "optimization_history.png", "intermediate_values.png"} <= artifacts
     stages = {r.data.tags.get("zhflow.stage") for r in client.search_runs(
         [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")}
     assert {"evaluate", "baseline", "register", "trial"} <= stages
