@@ -98,7 +98,7 @@ def sweep(
     parent = open_pipeline_run(config, experiment, kind="sweep")
     opened = open_study(study_name, storage, sampler, pruner, space, seed)
     if redo := recover_interrupted(opened):
-        logger.warning("study %r: trial(s) %s were left running by an interrupted sweep; they are run again first", study_name, redo)
+        logger.warning("study %r: trial(s) %s lost their process (no heartbeat); they are run again first", study_name, redo)
     earlier = len(opened.trials)
     with get_client(sync_client=True) as client:
         client.upsert_global_concurrency_limit_by_name(limit, parallel)

@@ -66,21 +66,40 @@ def make_pruner(name: str) -> optuna.pruners.BasePruner:
     return optuna.pruners.NopPruner()
 
 
+HEARTBEAT_S, GRACE_S = 20, 90  # a running trial beats every 20 s; one silent for 90 s was lost with its process
+
+
+def storage_of(url: str) -> optuna.storages.RDBStorage:
+    """The study's SQL storage with Optuna's heartbeat: a trial whose process died (no beat for GRACE_S) is failed
+    by ``fail_stale_trials`` and run again first (``RetryHeartbeatStaleTrialCallback``: the same settings, enqueued)."""
+    with warnings.catch_warnings():  # Optuna marks the heartbeat experimental
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=2)
+        return optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+                                          heartbeat_stale_trial_callback=retry)
+
+
 def open_study(name: str, storage: str, sampler: str, pruner: str, space: dict, seed: int | None) -> optuna.Study:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    return optuna.create_study(study_name=name, storage=storage, load_if_exists=True, direction="maximize",
+    return optuna.create_study(study_name=name, storage=storage_of(storage), load_if_exists=True, direction="maximize",
                                sampler=make_sampler(sampler, space, seed), pruner=make_pruner(pruner))
 
 
 def recover_interrupted(study: optuna.Study) -> list[int]:
-    """Trials left RUNNING by a sweep that was killed: marked FAIL and queued again, so a resumed sweep redoes them
-    first. (Run one sweep per study at a time: a trial still running elsewhere would be redone too.)"""
-    redo = []
-    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        study.tell(t.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
-        study.enqueue_trial(t.params, user_attrs={"zhflow_retry_of": t.number}, skip_if_exists=False)
-        redo.append(t.number)
-    return redo
+    """Trials whose process died (their heartbeat stopped) failed and queued again; the numbers of those failed."""
+    before = {t.number for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))}
+    with warnings.catch_warnings():  # Optuna marks fail_stale_trials experimental
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+    return sorted({t.number for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))} - before)
+
+
+def heartbeat(study: optuna.Study, trial: optuna.Trial):
+    """Optuna's heartbeat thread for one asked trial: ``optimize()`` starts it itself, ask-and-tell trials (a Prefect
+    task each, so that trials run as tasks with their own logs and retries) must start it here."""
+    from optuna.storages._heartbeat import get_heartbeat_thread
+
+    return get_heartbeat_thread(trial._trial_id, study._storage)
 
 
 _GPU_POOLS: dict[str, queue.Queue] = {}  # per sweep: the GPU slices its parallel trials take turns on
@@ -130,7 +149,9 @@ def run_trial(base: PipelineConfig, space: dict, study_name: str, storage: str, 
         # the sampler's seed follows the study's trial count: one trial at a time, the same seed repeats the sweep
         done = len(optuna.load_study(study_name=study_name, storage=storage).trials)
         study = open_study(study_name, storage, sampler, pruner, space, None if seed is None else seed + done)
-        trial = study.ask()
+        with warnings.catch_warnings():  # "heartbeat ... supposed to be used with Study.optimize": heartbeat() below
+            warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
+            trial = study.ask()
         params = suggest(trial, space)
         client = MlflowClient()
         run = client.create_run(sweep["experiment_id"], run_name=f"trial-{trial.number}", tags={
@@ -140,7 +161,11 @@ def run_trial(base: PipelineConfig, space: dict, study_name: str, storage: str, 
         started = time.perf_counter()
         summary = {"number": trial.number, "run_id": run.info.run_id, "params": params}
 
+        beats: list = []  # the trial's heartbeat while it trains
+
         def finish(state: str, value: float | None = None, reason: str = "") -> dict:
+            for beat in beats:
+                beat.join()
             try:
                 if state == "complete":
                     study.tell(trial, value)
@@ -162,6 +187,8 @@ def run_trial(base: PipelineConfig, space: dict, study_name: str, storage: str, 
             config = apply_params(base, params)
         except ConfigError as err:  # a combination the settings refuse: a failed trial, not a failed sweep
             return finish("failed", reason=str(err))
+        beats.append(heartbeat(study, trial))
+        beats[0].start()
         try:
             params_flat = flatten(config)
             client.log_batch(run.info.run_id, params=[mlflow.entities.Param(k, str(v)) for k, v in params_flat.items()])

@@ -210,21 +210,39 @@ def test_gpu_slices():
     assert gpu_slices(1, 3) == [[0], [0], [0]]  # more trials than GPUs: they share
 
 
-def test_trials_left_running_by_an_interrupted_sweep_are_redone_first(tmp_path):
-    from tasks.sweep import recover_interrupted
+def test_a_trial_whose_process_died_is_run_again_first_and_a_live_one_is_left_alone(tmp_path, monkeypatch):
+    """Optuna's heartbeat: a trial that stopped beating for the grace period failed and enqueued with its settings;
+    one still beating (a trial of another sweep that is alive) is not touched."""
+    import time
 
-    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'optuna.db'}", study_name="s", direction="maximize")
-    lost = study.ask()
-    lr = lost.suggest_float("train.lr", 1e-3, 1e-2)  # the process running it was killed: RUNNING forever
+    import tasks.sweep as sweeps
+
+    monkeypatch.setattr(sweeps, "HEARTBEAT_S", 1)
+    monkeypatch.setattr(sweeps, "GRACE_S", 2)
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    study = sweeps.open_study("s", url, "random", "none", {}, seed=1)
+    lost, alive = study.ask(), study.ask()
+    lr = lost.suggest_float("train.lr", 1e-3, 1e-2)
+    alive.suggest_float("train.lr", 1e-3, 1e-2)
+    beat = sweeps.heartbeat(study, lost)
+    beat.start()
+    beat.join()  # its process was killed: no beat after this one
     done = study.ask()
     done.suggest_float("train.lr", 1e-3, 1e-2)
     study.tell(done, 0.8)
-    resumed = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'optuna.db'}")
-    assert recover_interrupted(resumed) == [lost.number]
-    again = resumed.ask()
-    assert again.suggest_float("train.lr", 1e-3, 1e-2) == lr and again.user_attrs["zhflow_retry_of"] == lost.number
-    assert [t.state.name for t in resumed.trials] == ["FAIL", "COMPLETE", "RUNNING"]
-    assert recover_interrupted(optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'optuna.db'}")) == [2]
+    living = sweeps.heartbeat(study, alive)
+    living.start()
+    try:
+        time.sleep(3.5)
+        resumed = sweeps.open_study("s", url, "random", "none", {}, seed=1)
+        assert sweeps.recover_interrupted(resumed) == [lost.number]
+        again = resumed.ask()
+        assert again.suggest_float("train.lr", 1e-3, 1e-2) == lr
+        assert optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(resumed.trials[again.number]) == lost.number
+        assert [t.state.name for t in resumed.trials][:3] == ["FAIL", "RUNNING", "COMPLETE"]
+        assert sweeps.recover_interrupted(resumed) == []  # nothing else stopped beating
+    finally:
+        living.join()
 
 
 def test_trials_are_submitted_as_slots_free_up(prefect_server):
