@@ -23,10 +23,9 @@ VARIANTS = {
     "input=word": ["model.input=word"],
     "input=char": ["model.input=char"],
     "input=both": ["model.input=both"],
-    # on top of input=both (the preset): batch size, learning rate and dropout
+    # on top of input=both: the batch size (smaller: more steps an epoch, which small datasets need)
     "both, batch 32": ["model.input=both", "train.batch_size=32"],
-    "both, lr 2e-3": ["model.input=both", "train.lr=2e-3"],
-    "both, dropout 0.3": ["model.input=both", "model.dropout=0.3"],
+    "both, batch 16": ["model.input=both", "train.batch_size=16"],
 }
 COMMON = ["select.candidates=neural", "prune.amount=0", "registry.enabled=false"]
 

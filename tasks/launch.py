@@ -122,8 +122,6 @@ def launch_training(job: WorkerJob, on_epoch: Callable[[int, dict], bool] | None
                            rdzv_id=job.mlflow_run_id or out_dir.name)
     env = dict(os.environ, PYTHONUNBUFFERED="1", MLFLOW_TRACKING_URI=mlflow.get_tracking_uri(),
                TORCHELASTIC_ERROR_FILE=str(error_file), **{OWNER_ENV: owner()})  # found again if this process is killed
-    if job.mlflow_run_id:
-        env["MLFLOW_RUN_ID"] = job.mlflow_run_id
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     if available_devices()[0] == "cpu":  # the processes' share of the cores; torch reads it as it starts

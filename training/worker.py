@@ -4,7 +4,7 @@
     python -m training.worker --config job.json                                   # one process
 
 ``job.json`` is a ``training.config.WorkerJob``. Rank 0 logs to MLflow (run id
-from the job or MLFLOW_RUN_ID), writes checkpoints, and reports progress, each
+``mlflow_run_id`` of the job), writes checkpoints, and reports progress, each
 epoch and the result as events (``training.events``, ``events.jsonl``). After a
 restart (torchrun --max-restarts) it resumes from ``last.pt``.
 """
@@ -143,8 +143,7 @@ class Trainer:
         warmup = int((steps_per_epoch if t.schedule == "plateau" else self.total_steps) * t.warmup_ratio)
         self.lr_schedule = LRSchedule(self.total_steps, warmup, t.schedule, t.plateau_factor)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_schedule)
-        run_id = job.mlflow_run_id or os.environ.get("MLFLOW_RUN_ID")
-        self.log = MetricLogger(run_id) if info.is_main and run_id else NullLogger()
+        self.log = MetricLogger(job.mlflow_run_id) if info.is_main and job.mlflow_run_id else NullLogger()
         self.events = EventWriter(Path(job.out_dir) / EVENTS_FILE) if info.is_main else None
         self.epoch, self.step, self.best, self.best_epoch, self.bad_epochs = 0, 0, None, 0, 0
         self.improving_at_end = False  # whether the last epoch run was a better one (a warning if the maximum stops it)
@@ -339,11 +338,10 @@ def main(argv: list[str] | None = None) -> dict:
     job = WorkerJob.model_validate_json(Path(args.config).read_text())
     info = distributed.setup()
     monitor = None
-    run_id = job.mlflow_run_id or os.environ.get("MLFLOW_RUN_ID")
-    if info.is_main and run_id:  # CPU, memory, disk, network (and GPU, with nvidia-ml-py) as system/* metrics
+    if info.is_main and job.mlflow_run_id:  # CPU, memory, disk, network (and GPU, with nvidia-ml-py) as system/* metrics
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-        monitor = SystemMetricsMonitor(run_id, resume_logging=True)  # an elastic restart goes on from its last step
+        monitor = SystemMetricsMonitor(job.mlflow_run_id, resume_logging=True)  # an elastic restart goes on from its last step
         monitor.start()
     try:
         Path(job.out_dir).mkdir(parents=True, exist_ok=True)
