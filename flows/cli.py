@@ -14,36 +14,37 @@ import os
 import sys
 from pathlib import Path
 
-from training.config import PRESETS, ConfigError, ModelConfig, PipelineConfig, apply_overrides, check_experiment, preset
+from training.config import (PRESETS, ConfigError, ModelConfig, PipelineConfig, apply_overrides, apply_settings,
+                             check_experiment, preset)
 
 MODEL_FAMILIES = ModelConfig.model_fields["name"].annotation.__args__
 
 
-DATA_FLAGS = {  # flag -> setting it fills
+FLAGS = {  # flag -> the setting it fills, with the value argparse parsed (--model goes through the preset)
     "dataset": "data.dataset", "format": "data.format", "text_column": "data.text_column",
     "label_column": "data.label_column", "text_columns": "data.text_columns", "encoding": "data.encoding",
-    "quoting": "data.quoting",
-    "test_dataset": "data.test_dataset", "model": "model.name", "nproc": "train.nproc",
+    "quoting": "data.quoting", "test_dataset": "data.test_dataset", "nproc": "train.nproc",
 }
 
 
 def build_config(args: argparse.Namespace) -> PipelineConfig:
+    """The preset (with the family defaults of --model), the flags' values, then --set: validated once each."""
     model = getattr(args, "model", None)
     if model is not None and model not in MODEL_FAMILIES:
         raise ConfigError(f"model.name: unknown model family {model!r}; choose one of {', '.join(MODEL_FAMILIES)}")
-    config = preset(args.preset, model)
-    overrides = []
-    for flag, setting in DATA_FLAGS.items():
-        value = getattr(args, flag, None)
-        if value is not None:
-            overrides.append(f"{setting}={value}")
-    return apply_overrides(config, overrides + list(args.set or []))
+    flags = {setting: getattr(args, flag) for flag, setting in FLAGS.items() if getattr(args, flag, None) is not None}
+    config = apply_settings(preset(args.preset, model), flags) if flags else preset(args.preset, model)
+    return apply_overrides(config, list(args.set or [])) if args.set else config
+
+
+def _columns(value: str) -> list[str]:
+    return [c.strip() for c in value.split(",") if c.strip()]
 
 
 def _file_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=["csv", "tsv", "jsonl", "parquet"], help="file format (default: from the extension)")
     parser.add_argument("--text-column", help="column holding the text (default: text)")
-    parser.add_argument("--text-columns", help="several text columns joined in order, e.g. title,content")
+    parser.add_argument("--text-columns", type=_columns, help="several text columns joined in order, e.g. title,content")
     parser.add_argument("--label-column", help="column holding the label (default: label)")
     parser.add_argument("--encoding", help="file encoding (default: UTF-8 with or without BOM, else GB18030/GBK)")
     parser.add_argument("--quoting", choices=["auto", "minimal", "none"],
@@ -262,7 +263,7 @@ def evaluate_command(args: argparse.Namespace) -> int:
     params = {"model_uri": args.model_uri, "dataset": str(dataset.resolve()) if dataset.is_file() else args.dataset, "text_column": args.text_column or "text",
               "label_column": args.label_column or "label", "format": args.format, "encoding": args.encoding,
               "quoting": args.quoting or "auto",
-              "text_columns": [c.strip() for c in args.text_columns.split(",")] if args.text_columns else None}
+              "text_columns": args.text_columns or None}
     from training.paths import PathRefused, allow_typed, local_model_path
 
     try:

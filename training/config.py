@@ -474,26 +474,40 @@ def _describe(err: ValidationError, prefix: str = "") -> str:
     return "; ".join(lines)
 
 
-def apply_overrides(config: PipelineConfig, overrides: list[str]) -> PipelineConfig:
-    """Apply ``section.key=value`` strings; unknown keys and bad values raise ConfigError naming the field."""
+def _field(key: str, given: str):
+    """The (section, field, annotation) ``key`` names (``train.lr``), or ConfigError saying what there is."""
+    parts = key.strip().split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"{given}: expected section.key=value, e.g. train.lr=3e-4")
+    section, field = parts
+    if section not in PipelineConfig.model_fields:
+        raise ConfigError(f"unknown section {section!r} in {given}; sections: {', '.join(PipelineConfig.model_fields)}")
+    section_cls = PipelineConfig.model_fields[section].annotation
+    if field not in section_cls.model_fields:
+        raise ConfigError(f"unknown field {key!r} in {given}; {section} has: {', '.join(section_cls.model_fields)}")
+    return section, field, section_cls.model_fields[field].annotation
+
+
+def apply_settings(config: PipelineConfig, values: dict[str, Any]) -> PipelineConfig:
+    """``{"train.lr": 3e-4, ...}`` (values as the fields take them) applied to ``config``, validated once."""
     data = config.model_dump()
+    for key, value in values.items():
+        section, field, _ = _field(key, repr(key))
+        data[section][field] = value
+    return validate(data)
+
+
+def apply_overrides(config: PipelineConfig, overrides: list[str]) -> PipelineConfig:
+    """Apply ``section.key=value`` strings, each value read by its field's type; unknown keys and bad values raise
+    ConfigError naming the field."""
+    values = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.lr=3e-4")
         key, raw = item.split("=", 1)
-        parts = key.strip().split(".")
-        if len(parts) != 2:
-            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.lr=3e-4")
-        section, field = parts
-        if section not in PipelineConfig.model_fields:
-            raise ConfigError(f"unknown section {section!r} in --set {item!r}; sections: {', '.join(PipelineConfig.model_fields)}")
-        section_cls = PipelineConfig.model_fields[section].annotation
-        if field not in section_cls.model_fields:
-            raise ConfigError(
-                f"unknown field {key!r} in --set {item!r}; {section} has: {', '.join(section_cls.model_fields)}"
-            )
-        data[section][field] = _parse_value(raw.strip(), section_cls.model_fields[field].annotation)
-    return validate(data)
+        section, field, annotation = _field(key, f"--set {item!r}")
+        values[f"{section}.{field}"] = _parse_value(raw.strip(), annotation)
+    return apply_settings(config, values)
 
 
 def check_experiment(name: str) -> str:
