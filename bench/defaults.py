@@ -32,7 +32,8 @@ COMMON = ["select.candidates=neural", "prune.amount=0", "registry.enabled=false"
 
 def _train(name: str, sets: list[str]) -> dict:
     from flows.pipeline import train_pipeline
-    from training.config import apply_overrides, default
+    from training.overrides import apply_overrides
+    from training.presets import default
 
     size = DATASETS[name]
     extra = [f"data.max_samples={min(size, 1500 if common.SMOKE else size)}"] if size else []

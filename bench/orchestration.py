@@ -22,7 +22,8 @@ def direct(tmp: str) -> None:
     fine-tune, evaluate, baseline; the worker runs in this process."""
     from training.baseline import fit_baseline
     from training.checkpoint import save_checkpoint
-    from training.config import WorkerJob, tiny
+    from training.job import WorkerJob
+    from training.presets import tiny
     from training.data.prepare import prepare_dataset
     from training.evaluate import load_model, split_macro_f1
     from training.prune import prune
@@ -70,7 +71,7 @@ def run(quick: bool, repeats: int) -> str:
             PY, "-c", "import flows.pipeline; from prefect import flow, task; flow(lambda: task(lambda: 1)())()"],
         "MLflow: a new SQLite store, experiment and run with every setting": lambda tmp: [PY, "-c", (
             "import flows.pipeline; from mlflow.entities import Param; from mlflow.tracking import MlflowClient;"
-            "from training.config import tiny, flatten; c = MlflowClient();"
+            "from training.config import flatten; from training.presets import tiny; c = MlflowClient();"
             "r = c.create_run(c.create_experiment('x')).info.run_id;"
             "c.log_batch(r, params=[Param(k, str(v)) for k, v in flatten(tiny()).items()])")],
         "torchrun launch of a no-op (1 process, standalone)": lambda tmp: [

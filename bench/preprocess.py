@@ -38,7 +38,7 @@ def _cached_rerun(quick: bool) -> tuple[float, float]:
     from prefect import flow
 
     from tasks.preprocess import prepare_data, preprocess_key
-    from training.config import default, tiny
+    from training.presets import default, tiny
 
     cfg = tiny() if quick else default()
     with tempfile.TemporaryDirectory() as tmp:

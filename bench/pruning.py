@@ -18,7 +18,8 @@ import numpy as np
 
 from bench.common import quick_size, verdict
 from training.checkpoint import save_checkpoint
-from training.config import WorkerJob, preset
+from training.job import WorkerJob
+from training.presets import preset
 from training.data.prepare import prepare_dataset
 from training.evaluate import load_model, open_split, split_macro_f1
 from training.measure import latency

@@ -20,7 +20,7 @@ from sklearn.svm import LinearSVC
 from bench import common
 from bench.common import verdict
 from training.baseline import tfidf_svm
-from training.config import default
+from training.presets import default
 from training.data.prepare import prepare_dataset
 from training.data.readers import read_dataset
 from training.text.segment import Segmenter

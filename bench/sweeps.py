@@ -16,7 +16,8 @@ from pathlib import Path
 
 from bench import common
 from bench.common import verdict
-from training.config import apply_overrides, preset
+from training.overrides import apply_overrides
+from training.presets import preset
 
 TRIALS = 5
 TEXTS = 1500

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from bench.common import Timing, quick_size, verdict
-from training.config import WorkerJob, preset
+from training.job import WorkerJob
+from training.presets import preset
 from training.data.dataset import pad_batch
 from training.data.prepare import load_manifest, prepare_dataset
 from training.evaluate import open_split

@@ -23,7 +23,8 @@ from prefect.schedules import Cron
 from flows.evaluate import evaluate
 from flows.pipeline import train_pipeline
 from flows.sweep import sweep
-from training.config import PipelineConfig, default
+from training.config import PipelineConfig
+from training.presets import default
 
 TIMEZONE = os.environ.get("ZHFLOW_TIMEZONE", "Asia/Shanghai")
 ONE_AT_A_TIME = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)

@@ -14,8 +14,9 @@ import os
 import sys
 from pathlib import Path
 
-from training.config import (PRESETS, ConfigError, ModelConfig, PipelineConfig, apply_overrides, apply_settings,
-                             check_experiment, preset)
+from training.config import ConfigError, ModelConfig, PipelineConfig, check_experiment
+from training.overrides import apply_overrides, apply_settings
+from training.presets import PRESETS, preset
 
 MODEL_FAMILIES = ModelConfig.model_fields["name"].annotation.__args__
 

@@ -2,7 +2,7 @@
 -> linear -> ensemble -> select (best validation macro-F1) -> register.
 
     zhflow run --preset tiny                          # from the shell
-    python -c "from flows.pipeline import train_pipeline; from training.config import tiny; train_pipeline(tiny())"
+    python -c "from flows.pipeline import train_pipeline; from training.presets import tiny; train_pipeline(tiny())"
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from typing import Optional
 from prefect import flow
 from prefect.runtime import flow_run
 
-from training.config import ExperimentName, PipelineConfig, PresetName, on_preset
+from training.config import ExperimentName, PipelineConfig
+from training.presets import PresetName, on_preset
 from training.paths import check_config_paths
 from tasks.baseline import baseline_model
 from tasks.candidates import ensemble_candidate, linear_candidate, select_candidate

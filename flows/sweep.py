@@ -1,7 +1,7 @@
 """The ``sweep`` flow: an Optuna study over the pipeline's settings, then the best model evaluated and registered.
 
     zhflow sweep --preset tiny --trials 6 --parallel 2 --study my-sweep
-    python -c "from flows.sweep import sweep; from training.config import tiny; sweep(tiny(), trials=4)"
+    python -c "from flows.sweep import sweep; from training.presets import tiny; sweep(tiny(), trials=4)"
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
-from training.config import ExperimentName, PipelineConfig, PresetName, on_preset
+from training.config import ExperimentName, PipelineConfig
+from training.presets import PresetName, on_preset
 from training.paths import check_config_paths, check_space_paths
 from training.sweep import DEFAULT_SPACE, check_space, grid
 from flows.pipeline import choose_candidate

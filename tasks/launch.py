@@ -28,7 +28,8 @@ from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from tasks.recover import OWNER_ENV, owner
-from training.config import TrainConfig, WorkerJob
+from training.config import TrainConfig
+from training.job import WorkerJob
 from training.events import EVENTS_FILE, EventReader
 
 POLL_SECONDS = 0.2  # how often the events file is read while the workers run

@@ -8,7 +8,8 @@ from pathlib import Path
 import mlflow
 from prefect import task
 
-from training.config import PipelineConfig, TrainConfig, WorkerJob, flatten
+from training.config import PipelineConfig, TrainConfig, flatten
+from training.job import WorkerJob
 from tasks.launch import launch_training, resolve_nproc
 from tasks.tracking import stage_run
 

@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import sentiment_rows, write_csv
-from training.config import ConfigError, DataConfig, PreprocessConfig, apply_overrides, check_experiment, tiny
+from training.config import ConfigError, DataConfig, PreprocessConfig, check_experiment
+from training.overrides import apply_overrides
+from training.presets import tiny
 from training.data.prepare import prepare_dataset
 from training.data.readers import DatasetError, read_dataset
 from training.text.clean import normalize

@@ -1,14 +1,15 @@
 """Training until it stops improving: the stop rule, the learning-rate schedule and the time budget, with the real
 worker in this process (one process, no torchrun) on small prepared datasets."""
 
-import json
 
 import numpy as np
 import pytest
 import torch
 
 from tests.conftest import sentiment_rows, write_csv
-from training.config import WorkerJob, apply_overrides, default
+from training.job import WorkerJob
+from training.overrides import apply_overrides
+from training.presets import default
 from training.data.prepare import prepare_dataset
 from training.evaluate import load_model, open_split, predict_proba
 from training.worker import LRSchedule, improves

@@ -13,7 +13,8 @@ from scipy.special import log_softmax
 
 from tests.conftest import sentiment_rows, write_csv
 from tests.test_budget import topic_rows
-from training.config import apply_overrides, tiny
+from training.overrides import apply_overrides
+from training.presets import tiny
 from training.data.prepare import prepare_dataset
 from training.inference import TextClassifier
 from training.linear import (CHAR_PARAMS, LinearModel, _margins, _vectorizer, fit_linear, fit_temperature, merge, refit,

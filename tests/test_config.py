@@ -1,7 +1,9 @@
 
 import pytest
 
-from training.config import ConfigError, PipelineConfig, apply_overrides, default, flatten, gpu, preset, tiny
+from training.config import ConfigError, PipelineConfig, flatten
+from training.overrides import apply_overrides
+from training.presets import default, gpu, preset, tiny
 
 
 def test_presets_are_valid_and_differ():
@@ -64,7 +66,7 @@ def test_every_field_has_a_description():
 def test_a_preset_with_the_settings_a_person_typed_on_top():
     """Every setting given applies whatever its value (one equal to the default preset's too); the rest come from the
     preset. No preset: the settings as they are; nothing at all: the default preset."""
-    from training.config import on_preset
+    from training.presets import on_preset
 
     assert on_preset(None, None) == default() and on_preset(None, "tiny") == tiny()
     assert on_preset(tiny(), None) == tiny()
@@ -80,7 +82,7 @@ def test_the_flows_take_a_preset_and_typed_settings_as_prefect_validates_their_p
     the flows' own parameter validation: typed values kept, whatever they are, the rest from the preset."""
     from flows.pipeline import train_pipeline
     from flows.sweep import sweep
-    from training.config import on_preset
+    from training.presets import on_preset
 
     for flow in (train_pipeline, sweep):
         sent = {"config": {"train": {"lr": 0.001}, "model": {"input": "word"}}, "preset": "tiny"}

@@ -13,7 +13,8 @@ from flows.cli import main as zhflow
 from tasks.baseline import baseline_model
 from tasks.score import EvaluationError, read_label_map
 from tests.conftest import sentiment_rows, write_csv
-from training.config import apply_overrides, tiny
+from training.overrides import apply_overrides
+from training.presets import tiny
 from training.data.prepare import prepare_dataset
 
 ARTIFACTS = {"confusion_matrix.png", "roc_pr_curves.png", "per_class_report.json", "errors.csv", "errors.html",
@@ -208,7 +209,8 @@ def test_a_scheduled_slot_registers_one_model_only(store, trained):
 
     from tasks.register import register_model
     from tasks.tracking import open_pipeline_run
-    from training.config import apply_overrides, preset
+    from training.overrides import apply_overrides
+    from training.presets import preset
 
     config = apply_overrides(preset("tiny"), ["registry.model_name=slot-test"])
     checkpoint = next((trained["root"] / "zhflow-home" / "runs" / store["parent_run_id"] / "train").glob("best.pt"))

@@ -272,7 +272,8 @@ def test_a_full_disk_while_writing_a_checkpoint_is_a_clear_error_and_the_previou
 
 def _prepare(disk: Path, rows: int):
     from tests.conftest import sentiment_rows, write_csv
-    from training.config import apply_overrides, tiny
+    from training.overrides import apply_overrides
+    from training.presets import tiny
     from training.data.prepare import prepare_dataset
 
     data = write_csv(disk.parent / f"reviews-{rows}.csv", sentiment_rows(rows))

@@ -1,6 +1,5 @@
 """Evaluation metrics, curves, error analysis and their MLflow record; the TF-IDF + SVM baseline."""
 
-import json
 
 import mlflow
 import numpy as np

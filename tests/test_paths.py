@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import sentiment_rows, write_csv
-from training.config import apply_overrides, tiny
+from training.overrides import apply_overrides
+from training.presets import tiny
 from training.paths import PathRefused, check_config_paths, check_model_uri, check_path
 
 

@@ -10,7 +10,8 @@ from mlflow.tracking import MlflowClient
 
 from flows.cli import main as zhflow
 from flows.pipeline import train_pipeline
-from training.config import apply_overrides, tiny
+from training.overrides import apply_overrides
+from training.presets import tiny
 
 pytestmark = pytest.mark.slow
 

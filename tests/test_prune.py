@@ -152,7 +152,8 @@ def test_sparse_checkpoint_is_smaller_and_loads_back_dense(tmp_path):
 
 
 def test_measurements_and_tradeoff_plot(tmp_path, small_csv):
-    from training.config import apply_overrides, tiny
+    from training.overrides import apply_overrides
+    from training.presets import tiny
     from training.data.prepare import load_manifest, prepare_dataset
     from training.measure import measure_checkpoint, plot_pruning_tradeoff
 

@@ -43,7 +43,8 @@ def test_a_checkpoint_that_would_run_code_is_refused_even_with_a_matching_digest
 
 
 def test_stage_outputs_are_json_and_arrays_never_pickles(tmp_path, small_csv):
-    from training.config import apply_overrides, tiny
+    from training.overrides import apply_overrides
+    from training.presets import tiny
     from training.data.prepare import prepare_dataset
 
     config = apply_overrides(tiny(), [f"data.dataset={small_csv}"])

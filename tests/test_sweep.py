@@ -5,14 +5,14 @@ import json
 import os
 import threading
 
-import mlflow
 import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
 from flows.cli import main as zhflow
 from tests.conftest import sentiment_rows, write_csv
-from training.config import PipelineConfig, tiny
+from training.config import PipelineConfig
+from training.presets import tiny
 from training.sweep import DEFAULT_SPACE, SpaceError, apply_params, check_space, grid, load_space, suggest
 
 

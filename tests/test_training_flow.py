@@ -10,7 +10,8 @@ from prefect import flow
 from tasks.preprocess import preprocess
 from tasks.tracking import fail_open_runs, open_pipeline_run
 from tasks.train import train_model, with_limits
-from training.config import apply_overrides, tiny
+from training.overrides import apply_overrides
+from training.presets import tiny
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from training.checkpoint import load_checkpoint
-from training.config import WorkerJob, preset, tiny
+from training.job import WorkerJob
+from training.presets import preset, tiny
 from training.data.prepare import prepare_dataset
 from training.events import EVENTS_FILE, EventReader, read_result
 

@@ -1,16 +1,12 @@
-"""Settings for every stage, as pydantic models.
+"""The settings of every stage, as pydantic models: the schema.
 
-The same models are the Prefect flow parameters (the UI draws a form from
-them), the JSON handed to the torchrun worker, and the params logged to
-MLflow (flattened: ``train.lr``, ``prune.amount``).
-
-    from training.config import preset, apply_overrides
-    cfg = apply_overrides(preset("tiny"), ["train.lr=3e-4", "model.dropout=0.2"])
+The same models are the Prefect flow parameters (the UI draws a form from them), the settings part of the
+worker's job (``training.job``), and the params logged to MLflow (flattened: ``train.lr``, ``prune.amount``).
+Presets live in ``training.presets``, ``--set`` overrides in ``training.overrides``.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, WithJsonSchema, field_validator, model_validator
@@ -349,118 +345,11 @@ class PipelineConfig(_Section):
     registry: RegistryConfig = Field(default_factory=RegistryConfig, title="Registry", description="MLflow model registry.")
 
 
-# ---- presets -----------------------------------------------------------------
-
-def tiny() -> PipelineConfig:
-    """Seconds: a small subset and a small model, for tests and smoke runs."""
-    return PipelineConfig(
-        data=DataConfig(max_samples=600),
-        preprocess=PreprocessConfig(min_freq=1, max_len=64, num_workers=1),
-        model=ModelConfig(embed_dim=32, num_filters=16, kernel_sizes=[2, 3]),
-        train=TrainConfig(epochs=4, batch_size=32, lr=5e-3, patience=4, log_every=5),
-        prune=PruneConfig(amount=0.5, finetune_epochs=1),
-    )
-
-
-def default() -> PipelineConfig:
-    """Minutes on a 2-core CPU: the whole built-in corpus. Word and character input: the best mean validation
-    macro-F1 over four datasets of other domains, lengths and class counts (BENCHMARKS.md, default settings)."""
-    return PipelineConfig(model=ModelConfig(input="both"))
-
-
-def gpu() -> PipelineConfig:
-    """A wider model and larger batches for a CUDA machine."""
-    return PipelineConfig(
-        preprocess=PreprocessConfig(max_len=256, num_workers=8),
-        model=ModelConfig(embed_dim=300, num_filters=256, kernel_sizes=[2, 3, 4, 5]),
-        train=TrainConfig(epochs=10, batch_size=256, lr=1e-3, patience=3),
-        prune=PruneConfig(finetune_epochs=2),
-        evaluate=EvaluateConfig(batch_size=1024),
-    )
-
-
-PRESETS = {"tiny": tiny, "default": default, "gpu": gpu}
-
-# what each family needs beyond the preset's shared sizes: {family: {preset: {"model"|"train": {...}}}}
-FAMILY_DEFAULTS = {
-    "bilstm": {
-        "tiny": {"model": {"hidden_size": 32, "dropout": 0.3}},
-        "default": {"model": {"hidden_size": 128, "dropout": 0.3}, "train": {"lr": 2e-3}},
-        "gpu": {"model": {"hidden_size": 256, "num_layers": 2, "dropout": 0.3}},
-    },
-    "transformer": {
-        "tiny": {"model": {"num_heads": 2, "num_layers": 1, "dropout": 0.1}, "train": {"warmup_ratio": 0.1}},
-        "default": {"model": {"num_heads": 4, "num_layers": 2, "dropout": 0.1},
-                    "train": {"lr": 5e-4, "warmup_ratio": 0.1, "schedule": "cosine"}},
-        "gpu": {"model": {"embed_dim": 256, "num_heads": 8, "num_layers": 4, "dropout": 0.1},
-                "train": {"lr": 3e-4, "warmup_ratio": 0.1, "schedule": "cosine"}},
-    },
-}
-
-
-def preset(name: str, model: str | None = None) -> PipelineConfig:
-    """A preset, with the defaults of model family ``model`` when given."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    config = PRESETS[name]()
-    if model is None:
-        return config
-    data = config.model_dump()
-    data["model"]["name"] = model
-    for section, values in FAMILY_DEFAULTS.get(model, {}).get(name, {}).items():
-        data[section].update(values)
-    return validate(data)
-
-
-PresetName = Literal["tiny", "default", "gpu"]
 ExperimentName = Annotated[str, Field(min_length=1, max_length=200)]
 
 
-def typed(config: PipelineConfig) -> dict[str, dict[str, Any]]:
-    """The settings given when ``config`` was built (pydantic's ``model_fields_set``), by section: what a person typed
-    into the Prefect form or ``--param config=...``, not the values the schema would fill in."""
-    return {section: {key: getattr(getattr(config, section), key) for key in getattr(config, section).model_fields_set}
-            for section in config.model_fields_set}
-
-
-def on_preset(config: PipelineConfig | None, name: str | None) -> PipelineConfig:
-    """The settings a flow runs with. A preset: the preset (with the family defaults of a given ``model.name``), then
-    every setting given in ``config`` whatever its value; the rest come from the preset. No preset: ``config`` as it
-    is. Neither: the default preset."""
-    if config is None:
-        return preset(name or "default")
-    if name is None:
-        return config
-    given = typed(config)
-    data = preset(name, given.get("model", {}).get("name")).model_dump()
-    for section, values in given.items():
-        data[section].update(values)
-    return validate(data)
-
-
-# ---- overrides and flattening --------------------------------------------------
-
 class ConfigError(ValueError):
     """A user-facing configuration error that names the field."""
-
-
-def _parse_value(raw: str, annotation: Any) -> Any:
-    """A --set value read by the field's own type: JSON (``3e-4``, ``[3, 4]``, ``null``), else the text as that type
-    reads it (``word``, ``true``, a path), else a comma list (``kernel_sizes=3,4,5``). A value none of them takes is
-    passed on as text, and validation names the field."""
-    adapter = TypeAdapter(annotation)
-    if raw in ("", "null"):
-        try:
-            return adapter.validate_python(None)
-        except ValidationError:
-            pass
-    for attempt in (adapter.validate_json, adapter.validate_strings,
-                    lambda text: adapter.validate_python([part.strip() for part in text.split(",") if part.strip()])):
-        try:
-            return attempt(raw)
-        except ValidationError:
-            continue
-    return raw
 
 
 def _describe(err: ValidationError, prefix: str = "") -> str:
@@ -472,42 +361,6 @@ def _describe(err: ValidationError, prefix: str = "") -> str:
         got = f"{value[:40]!r}... ({len(value)} characters)" if isinstance(value, str) and len(value) > 60 else repr(value)
         lines.append(f"{field}: {e['msg']} (got {got})")
     return "; ".join(lines)
-
-
-def _field(key: str, given: str):
-    """The (section, field, annotation) ``key`` names (``train.lr``), or ConfigError saying what there is."""
-    parts = key.strip().split(".")
-    if len(parts) != 2:
-        raise ConfigError(f"{given}: expected section.key=value, e.g. train.lr=3e-4")
-    section, field = parts
-    if section not in PipelineConfig.model_fields:
-        raise ConfigError(f"unknown section {section!r} in {given}; sections: {', '.join(PipelineConfig.model_fields)}")
-    section_cls = PipelineConfig.model_fields[section].annotation
-    if field not in section_cls.model_fields:
-        raise ConfigError(f"unknown field {key!r} in {given}; {section} has: {', '.join(section_cls.model_fields)}")
-    return section, field, section_cls.model_fields[field].annotation
-
-
-def apply_settings(config: PipelineConfig, values: dict[str, Any]) -> PipelineConfig:
-    """``{"train.lr": 3e-4, ...}`` (values as the fields take them) applied to ``config``, validated once."""
-    data = config.model_dump()
-    for key, value in values.items():
-        section, field, _ = _field(key, repr(key))
-        data[section][field] = value
-    return validate(data)
-
-
-def apply_overrides(config: PipelineConfig, overrides: list[str]) -> PipelineConfig:
-    """Apply ``section.key=value`` strings, each value read by its field's type; unknown keys and bad values raise
-    ConfigError naming the field."""
-    values = {}
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.lr=3e-4")
-        key, raw = item.split("=", 1)
-        section, field, annotation = _field(key, f"--set {item!r}")
-        values[f"{section}.{field}"] = _parse_value(raw.strip(), annotation)
-    return apply_settings(config, values)
 
 
 def check_experiment(name: str) -> str:
@@ -535,20 +388,3 @@ def flatten(config: BaseModel, prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = value
     return out
-
-
-class WorkerJob(_Section):
-    """What the torchrun worker is told to do (written as JSON by the launcher)."""
-
-    stage: str = Field(description="Which stage this run is (names the progress lines and the output folder).")
-    prepared_dir: str = Field(description="Prepared dataset folder (manifest.json, *.npy).")
-    out_dir: str = Field(description="Where checkpoints and the events file (training.events) go.")
-    model: ModelConfig
-    train: TrainConfig
-    max_len: int = Field(ge=1, description="Texts are truncated to this many tokens.")
-    init_checkpoint: Optional[str] = Field(None, description="Start from these weights (fine-tuning a pruned model).")
-    keep_sparsity: bool = Field(False, description="Keep zero weights of init_checkpoint at zero (pruning masks).")
-    mlflow_run_id: Optional[str] = Field(None, description="MLflow run that rank 0 logs into.")
-    epochs_setting: str = Field("train.epochs", description="The setting that gave train.epochs (named when it stops training).")
-    deadline: Optional[float] = Field(None, description="Unix time by which training ends (train.timeout_minutes): "
-                                                        "no epoch starts that would end after it.")

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from training import distributed
 from training.checkpoint import load_checkpoint, save_checkpoint
-from training.config import WorkerJob
+from training.job import WorkerJob
 from training.data.dataset import pad_batch, to_device
 from training.data.prepare import load_manifest
 from training.evaluate import open_split, predict_proba

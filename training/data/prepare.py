@@ -9,7 +9,7 @@ end to end), ``{split}.offsets.npy`` (int64, n+1), the same for characters
 (int64) and ``{split}.jsonl`` (the texts as read and as cleaned, and the
 label); plus ``vocab.json``, ``char_vocab.json`` and ``manifest.json``.
 
-    python -c "from training.config import tiny; from training.data.prepare import prepare_dataset; \
+    python -c "from training.presets import tiny; from training.data.prepare import prepare_dataset; \
                c = tiny(); print(prepare_dataset(c.data, c.preprocess, '/tmp/prepared'))"
 """
 

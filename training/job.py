@@ -1,0 +1,25 @@
+"""What the torchrun worker is told to do: the model and training settings, and the run's facts (paths, run id)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import Field
+
+from training.config import ModelConfig, TrainConfig, _Section
+
+class WorkerJob(_Section):
+    """What the torchrun worker is told to do (written as JSON by the launcher)."""
+
+    stage: str = Field(description="Which stage this run is (names the progress lines and the output folder).")
+    prepared_dir: str = Field(description="Prepared dataset folder (manifest.json, *.npy).")
+    out_dir: str = Field(description="Where checkpoints and the events file (training.events) go.")
+    model: ModelConfig
+    train: TrainConfig
+    max_len: int = Field(ge=1, description="Texts are truncated to this many tokens.")
+    init_checkpoint: Optional[str] = Field(None, description="Start from these weights (fine-tuning a pruned model).")
+    keep_sparsity: bool = Field(False, description="Keep zero weights of init_checkpoint at zero (pruning masks).")
+    mlflow_run_id: Optional[str] = Field(None, description="MLflow run that rank 0 logs into.")
+    epochs_setting: str = Field("train.epochs", description="The setting that gave train.epochs (named when it stops training).")
+    deadline: Optional[float] = Field(None, description="Unix time by which training ends (train.timeout_minutes): "
+                                                        "no epoch starts that would end after it.")

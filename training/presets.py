@@ -1,0 +1,98 @@
+"""The presets (tiny, default, gpu), each model family's defaults in them, and how a preset meets the settings a
+person typed (``on_preset``).
+
+    from training.presets import preset
+    cfg = preset("tiny", "bilstm")
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from training.config import (DataConfig, EvaluateConfig, ModelConfig, PipelineConfig, PreprocessConfig,
+                             PruneConfig, TrainConfig, validate)
+
+def tiny() -> PipelineConfig:
+    """Seconds: a small subset and a small model, for tests and smoke runs."""
+    return PipelineConfig(
+        data=DataConfig(max_samples=600),
+        preprocess=PreprocessConfig(min_freq=1, max_len=64, num_workers=1),
+        model=ModelConfig(embed_dim=32, num_filters=16, kernel_sizes=[2, 3]),
+        train=TrainConfig(epochs=4, batch_size=32, lr=5e-3, patience=4, log_every=5),
+        prune=PruneConfig(amount=0.5, finetune_epochs=1),
+    )
+
+
+def default() -> PipelineConfig:
+    """Minutes on a 2-core CPU: the whole built-in corpus. Word and character input: the best mean validation
+    macro-F1 over four datasets of other domains, lengths and class counts (BENCHMARKS.md, default settings)."""
+    return PipelineConfig(model=ModelConfig(input="both"))
+
+
+def gpu() -> PipelineConfig:
+    """A wider model and larger batches for a CUDA machine."""
+    return PipelineConfig(
+        preprocess=PreprocessConfig(max_len=256, num_workers=8),
+        model=ModelConfig(embed_dim=300, num_filters=256, kernel_sizes=[2, 3, 4, 5]),
+        train=TrainConfig(epochs=10, batch_size=256, lr=1e-3, patience=3),
+        prune=PruneConfig(finetune_epochs=2),
+        evaluate=EvaluateConfig(batch_size=1024),
+    )
+
+
+PRESETS = {"tiny": tiny, "default": default, "gpu": gpu}
+
+# what each family needs beyond the preset's shared sizes: {family: {preset: {"model"|"train": {...}}}}
+FAMILY_DEFAULTS = {
+    "bilstm": {
+        "tiny": {"model": {"hidden_size": 32, "dropout": 0.3}},
+        "default": {"model": {"hidden_size": 128, "dropout": 0.3}, "train": {"lr": 2e-3}},
+        "gpu": {"model": {"hidden_size": 256, "num_layers": 2, "dropout": 0.3}},
+    },
+    "transformer": {
+        "tiny": {"model": {"num_heads": 2, "num_layers": 1, "dropout": 0.1}, "train": {"warmup_ratio": 0.1}},
+        "default": {"model": {"num_heads": 4, "num_layers": 2, "dropout": 0.1},
+                    "train": {"lr": 5e-4, "warmup_ratio": 0.1, "schedule": "cosine"}},
+        "gpu": {"model": {"embed_dim": 256, "num_heads": 8, "num_layers": 4, "dropout": 0.1},
+                "train": {"lr": 3e-4, "warmup_ratio": 0.1, "schedule": "cosine"}},
+    },
+}
+
+
+def preset(name: str, model: str | None = None) -> PipelineConfig:
+    """A preset, with the defaults of model family ``model`` when given."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    config = PRESETS[name]()
+    if model is None:
+        return config
+    data = config.model_dump()
+    data["model"]["name"] = model
+    for section, values in FAMILY_DEFAULTS.get(model, {}).get(name, {}).items():
+        data[section].update(values)
+    return validate(data)
+
+
+PresetName = Literal["tiny", "default", "gpu"]
+
+
+def typed(config: PipelineConfig) -> dict[str, dict[str, Any]]:
+    """The settings given when ``config`` was built (pydantic's ``model_fields_set``), by section: what a person typed
+    into the Prefect form or ``--param config=...``, not the values the schema would fill in."""
+    return {section: {key: getattr(getattr(config, section), key) for key in getattr(config, section).model_fields_set}
+            for section in config.model_fields_set}
+
+
+def on_preset(config: PipelineConfig | None, name: str | None) -> PipelineConfig:
+    """The settings a flow runs with. A preset: the preset (with the family defaults of a given ``model.name``), then
+    every setting given in ``config`` whatever its value; the rest come from the preset. No preset: ``config`` as it
+    is. Neither: the default preset."""
+    if config is None:
+        return preset(name or "default")
+    if name is None:
+        return config
+    given = typed(config)
+    data = preset(name, given.get("model", {}).get("name")).model_dump()
+    for section, values in given.items():
+        data[section].update(values)
+    return validate(data)
