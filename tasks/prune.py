@@ -92,7 +92,8 @@ def prune_report(config: PipelineConfig, trained: dict, evaluated_trained: dict,
         with tempfile.TemporaryDirectory() as tmp:
             png = plot_pruning_tradeoff(points, Path(tmp) / "pruning_tradeoff.png", f"{p.method} pruning, {len(rounds)} round(s)")
             client.log_artifact(prune_parent["run_id"], str(png))
-    close_pipeline_run.fn(prune_parent, metrics, {"method": p.method, "skipped": str(not rounds).lower()})
+    close_pipeline_run.fn(prune_parent, metrics, {"method": p.method, "skipped": str(not rounds).lower()},
+                          artifact_key="prune-metrics")
     get_run_logger().info(
         "%s pruning to %.0f%%: test macro-F1 %.4f -> %.4f, file %.2fx smaller, batch-64 latency %.2fx faster",
         p.method, 100 * p.amount, f1_before, f1_after, metrics["file_size_ratio"], metrics["speedup_b64"])

@@ -199,14 +199,17 @@ def stage_run(parent: dict, stage: str) -> Iterator[mlflow.ActiveRun]:
 
 
 @task(name="close-mlflow-run")
-def close_pipeline_run(parent: dict, metrics: dict[str, float], tags: dict[str, str] | None = None) -> None:
+def close_pipeline_run(parent: dict, metrics: dict[str, float], tags: dict[str, str] | None = None,
+                       artifact_key: str = "metrics") -> None:
+    """Log the final metrics and tags, end the run FINISHED, and put the table in the Prefect artifact
+    ``artifact_key`` (a stage closed this way, the prune stage, names its own: one ``metrics`` per flow run)."""
     client = MlflowClient()
     for key, value in metrics.items():
         client.log_metric(parent["run_id"], key, float(value))
     for key, value in (tags or {}).items():
         client.set_tag(parent["run_id"], key, str(value))
     client.set_terminated(parent["run_id"], "FINISHED")
-    metrics_artifact(parent["experiment_id"], parent["experiment"], parent["run_id"], metrics, tags)
+    metrics_artifact(parent["experiment_id"], parent["experiment"], parent["run_id"], metrics, tags, key=artifact_key)
 
 
 def link_to_mlflow(experiment_id: str, experiment: str, run_id: str) -> None:
@@ -217,7 +220,7 @@ def link_to_mlflow(experiment_id: str, experiment: str, run_id: str) -> None:
 
 
 def metrics_artifact(experiment_id: str, experiment: str, run_id: str, metrics: dict[str, float],
-                     tags: dict[str, str] | None = None) -> None:
+                     tags: dict[str, str] | None = None, key: str = "metrics") -> None:
     """In a Prefect flow run: a markdown artifact with the final metrics table and a link to the MLflow run."""
     if not flow_run.id:
         return
@@ -226,7 +229,7 @@ def metrics_artifact(experiment_id: str, experiment: str, run_id: str, metrics: 
     create_markdown_artifact(
         f"## Metrics\n\n[MLflow run {run_id}]({mlflow_run_url(experiment_id, run_id)}) in experiment `{experiment}`\n\n"
         f"{extra}\n\n| metric | value |\n|---|---|\n{rows}\n",
-        key="metrics", description="Final metrics of this run, as logged to MLflow")
+        key=key, description="Final metrics of this run, as logged to MLflow")
 
 
 def fail_open_runs(flow, flow_run_obj, state) -> None:
