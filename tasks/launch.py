@@ -29,8 +29,8 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from tasks.recover import OWNER_ENV, owner
 from training.config import TrainConfig
-from training.job import WorkerJob
 from training.events import EVENTS_FILE, EventReader
+from training.job import WorkerJob
 
 POLL_SECONDS = 0.2  # how often the events file is read while the workers run
 _ERROR_LINE = re.compile(r"^\s*(\w+\.)*\w*(Error|Exception|Interrupt)\b.*")

@@ -173,14 +173,14 @@ def _classifier(name: str, c: float, class_weight: str | None, max_iter: int) ->
     return LinearSVC(C=c, max_iter=max_iter, class_weight=class_weight)
 
 
-def fit_linear(train: SplitInputs, val: SplitInputs, num_classes: int,
-               c_values: dict[str, Sequence[float]] | None = None, class_weight: str | None = "balanced",
+def fit_linear(train: SplitInputs, val: SplitInputs, num_classes: int, c_values: dict[str, Sequence[float]],
+               class_weight: str | None = "balanced",
                max_iter: int = 2000) -> tuple[LinearModel, dict[str, float]]:
     """Fit character n-grams alone and with word n-grams, each classifier of ``c_values`` (``{"logreg": [C, ...],
     "svm": [C, ...]}``) once per ``C`` on each; keep the one with the best validation macro-F1 (ties: fewer features,
     then logistic regression, then the smaller, more regularised C). Returns the model and
-    ``{"char logreg C=4": val macro-F1, ...}`` (:attr:`LinearModel.setting` names the kept one)."""
-    c_values = {"logreg": (4.0, 16.0, 64.0), "svm": (0.25, 0.5, 1.0)} if c_values is None else c_values
+    ``{"char logreg C=4": val macro-F1, ...}`` (:attr:`LinearModel.setting` names the kept one); the grid comes
+    from ``LinearConfig.grid()``."""
     unknown = set(c_values) - set(CLASSIFIERS)
     if unknown:
         raise ValueError(f"unknown linear classifier(s) {', '.join(sorted(unknown))}; expected {', '.join(CLASSIFIERS)}")

@@ -31,11 +31,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from training import distributed
 from training.checkpoint import load_checkpoint, save_checkpoint
-from training.job import WorkerJob
 from training.data.dataset import pad_batch, to_device
 from training.data.prepare import load_manifest
 from training.evaluate import open_split, predict_proba
 from training.events import EVENTS_FILE, EventWriter
+from training.job import WorkerJob
 from training.models import build_model, min_input_len
 from training.prune import prunable_weights
 from training.metric_logger import MetricLogger, NullLogger
