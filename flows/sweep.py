@@ -11,7 +11,6 @@ import os
 from typing import Annotated, Literal, Optional
 
 from prefect import flow, get_client, get_run_logger
-from prefect.futures import as_completed
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
@@ -25,27 +24,13 @@ from tasks.baseline import baseline_model
 from tasks.evaluate import evaluate_model
 from tasks.register import register_model
 from tasks.schedule import scheduled_slot, skipped
-from tasks.sweep import log_sweep_summary, open_study, recover_interrupted, run_trial, share_gpus, study_storage
+from tasks.sweep import log_sweep_summary, open_study, optimize, recover_interrupted, run_trial, share_gpus, study_storage
 from tasks.tracking import close_pipeline_run, fail_open_runs, open_pipeline_run
 
 
 def _name() -> str:
     study = flow_run.parameters.get("study")
     return f"sweep-{study}" if study else f"sweep-{flow_run.scheduled_start_time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def _in_window(submit, count: int, width: int) -> list:
-    """Submit ``count`` trials with at most ``width`` in flight, and their results in order. A trial submitted early
-    would only wait for the concurrency slot, polling the server up to 30 s apart, while the cores stand idle."""
-    futures, pending = [], set()
-    while len(futures) < count or pending:
-        while len(futures) < count and len(pending) < width:
-            futures.append(submit(len(futures)))
-            pending.add(futures[-1])
-        finished = next(as_completed(list(pending)))
-        pending.discard(finished)
-        finished.result()  # a trial that crashed (not a failed trial: that is a result) stops the sweep here
-    return [f.result() for f in futures]
 
 
 @flow(name="sweep", flow_run_name=_name, log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=16),
@@ -105,8 +90,9 @@ def sweep(
         client.upsert_global_concurrency_limit_by_name(limit, parallel)
     logger.info("study %r (%d earlier trials) in %s; %d trial(s), %d at a time, %d core(s) each",
                 study_name, earlier, storage.split("@")[-1], trials, parallel, cpus)
-    results = _in_window(lambda slot: run_trial.submit(config, space, study_name, storage, sampler, pruner, seed, parent,
-                                                       cpus, limit, slot), trials, parallel)
+    # the sampler's seed follows the study's trial count: a continued study does not repeat its first suggestions
+    study_now = open_study(study_name, storage, sampler, pruner, space, None if seed is None else seed + earlier)
+    results = optimize(study_now, trials, parallel, lambda trial: run_trial(config, space, trial, parent, pruner, cpus, limit))
     finished = open_study(study_name, storage, sampler, pruner, space, seed)
     rows = log_sweep_summary(finished, parent["run_id"])
     counts = {state: sum(r["state"] == state for r in results) for state in ("complete", "pruned", "failed")}

@@ -6,19 +6,22 @@ macro-F1 goes to the study's pruner, and a hopeless trial's process group is end
 
 from __future__ import annotations
 
+import contextvars
 import os
 import queue
 import tempfile
+import threading
 import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import mlflow
 import optuna
 from mlflow.tracking import MlflowClient
 from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
 
 from training.config import ConfigError, PipelineConfig, flatten
@@ -42,17 +45,9 @@ def study_storage() -> str:
     return f"sqlite:///{work_root() / 'optuna.db'}"
 
 
-class _GridSampler(optuna.samplers.GridSampler):
-    """GridSampler without its ``study.stop()`` once the grid is used up: that only works inside ``optimize()``
-    (trials here are asked and told), and the flow already runs no more trials than grid points."""
-
-    def after_trial(self, study, trial, state, values) -> None:
-        pass
-
-
 def make_sampler(name: str, space: dict, seed: int | None) -> optuna.samplers.BaseSampler:
-    if name == "grid":
-        return _GridSampler(grid(space), seed=seed)
+    if name == "grid":  # inside optimize() it stops the study once every combination was tried
+        return optuna.samplers.GridSampler(grid(space), seed=seed)
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     return optuna.samplers.TPESampler(seed=seed)
@@ -94,14 +89,6 @@ def recover_interrupted(study: optuna.Study) -> list[int]:
     return sorted({t.number for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))} - before)
 
 
-def heartbeat(study: optuna.Study, trial: optuna.Trial):
-    """Optuna's heartbeat thread for one asked trial: ``optimize()`` starts it itself, ask-and-tell trials (a Prefect
-    task each, so that trials run as tasks with their own logs and retries) must start it here."""
-    from optuna.storages._heartbeat import get_heartbeat_thread
-
-    return get_heartbeat_thread(trial._trial_id, study._storage)
-
-
 _GPU_POOLS: dict[str, queue.Queue] = {}  # per sweep: the GPU slices its parallel trials take turns on
 
 
@@ -140,90 +127,100 @@ def _gpus(limit: str) -> Iterator[list[int] | None]:
         pool.put(piece)
 
 
-@task(name="trial", task_run_name="trial-{slot}")
-def run_trial(base: PipelineConfig, space: dict, study_name: str, storage: str, sampler: str, pruner: str,
-              seed: int | None, sweep: dict, cpus: int, limit: str, slot: int) -> dict:
-    """Ask the study for settings, train (pruned early if hopeless), prune the model if asked, tell the study."""
+class TrialFailed(RuntimeError):
+    """A trial that could not train (settings the schema refuses, a worker that failed): Optuna records it FAIL and
+    the sweep goes on. Any other exception is a defect and stops the sweep."""
+
+
+def optimize(study: optuna.Study, trials: int, parallel: int, run: Callable[[optuna.Trial], dict]) -> list[dict]:
+    """``study.optimize``: Optuna asks, keeps each trial's heartbeat, tells (pruned and failed trials included) and
+    stops a used-up grid. ``run(trial)`` is the trial's Prefect task, called in the flow run's context (Optuna's
+    threads start without it, so each call gets a copy). The trials' summaries, in trial order."""
+    context = contextvars.copy_context()
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def objective(trial: optuna.Trial) -> float:
+        result = context.copy().run(run, trial)
+        with lock:
+            results.append(result)
+        if result["state"] == "pruned":
+            raise optuna.TrialPruned(result["reason"])
+        if result["state"] == "failed":
+            raise TrialFailed(result["reason"])
+        return result["value"]
+
+    study.optimize(objective, n_trials=trials, n_jobs=parallel, catch=(TrialFailed,))
+    return sorted(results, key=lambda r: r["number"])
+
+
+@task(name="trial", task_run_name="trial-{trial.number}", cache_policy=NO_CACHE)
+def run_trial(base: PipelineConfig, space: dict, trial: optuna.Trial, sweep: dict, pruner: str, cpus: int,
+              limit: str) -> dict:
+    """One trial: its settings from the study, trained (stopped early if hopeless), pruned if asked; a nested MLflow
+    run (KILLED when pruned, FAILED when it failed) and the trial's summary. Optuna tells the study (``optimize``)."""
     logger = get_run_logger()
-    with concurrency(limit, occupy=1), _gpus(limit) as gpus:  # at most --parallel trials at once, on this server
-        # the sampler's seed follows the study's trial count: one trial at a time, the same seed repeats the sweep
-        done = len(optuna.load_study(study_name=study_name, storage=storage).trials)
-        study = open_study(study_name, storage, sampler, pruner, space, None if seed is None else seed + done)
-        with warnings.catch_warnings():  # "heartbeat ... supposed to be used with Study.optimize": heartbeat() below
-            warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
-            trial = study.ask()
-        params = suggest(trial, space)
-        client = MlflowClient()
-        run = client.create_run(sweep["experiment_id"], run_name=f"trial-{trial.number}", tags={
-            "mlflow.parentRunId": sweep["run_id"], STAGE_TAG: "trial", "optuna.study": study_name,
-            "optuna.trial_number": str(trial.number), **origin_tags()})
+    params = suggest(trial, space)
+    started = time.perf_counter()
+    # at most --parallel trials of this study at once on this server, each on its share of the GPUs
+    with concurrency(limit, occupy=1), _gpus(limit) as gpus, mlflow.start_run(
+            experiment_id=sweep["experiment_id"], run_name=f"trial-{trial.number}", parent_run_id=sweep["run_id"],
+            nested=True, tags={STAGE_TAG: "trial", "optuna.study": trial.study.study_name,
+                               "optuna.trial_number": str(trial.number), **origin_tags()}) as run:
         trial_run = {**sweep, "run_id": run.info.run_id, "work_dir": str(Path(sweep["work_dir"]) / f"trial-{trial.number}")}
-        started = time.perf_counter()
-        summary = {"number": trial.number, "run_id": run.info.run_id, "params": params}
-
-        beats: list = []  # the trial's heartbeat while it trains
-
-        def finish(state: str, value: float | None = None, reason: str = "") -> dict:
-            for beat in beats:
-                beat.join()
-            try:
-                if state == "complete":
-                    study.tell(trial, value)
-                else:
-                    study.tell(trial, state=optuna.trial.TrialState.PRUNED if state == "pruned" else optuna.trial.TrialState.FAIL,
-                               skip_if_finished=True)
-            finally:
-                client.set_terminated(run.info.run_id, {"complete": "FINISHED", "pruned": "KILLED"}.get(state, "FAILED"))
-            client.set_tag(run.info.run_id, TRIAL_STATE_TAG, state)
-            if reason:
-                client.set_tag(run.info.run_id, "zhflow.failure" if state == "failed" else "zhflow.pruned_reason", reason[:4000])
-            seconds = time.perf_counter() - started
-            client.log_metric(run.info.run_id, "trial_seconds", seconds)
-            logger.info("trial %d %s%s in %.0fs: %s", trial.number, state, f" ({value:.4f})" if value is not None else "",
-                        seconds, reason or params)
-            return {**summary, "state": state, "value": value, "seconds": seconds, "reason": reason}
-
         try:
-            config = apply_params(base, params)
-        except ConfigError as err:  # a combination the settings refuse: a failed trial, not a failed sweep
-            return finish("failed", reason=str(err))
-        beats.append(heartbeat(study, trial))
-        beats[0].start()
-        try:
-            params_flat = flatten(config)
-            client.log_batch(run.info.run_id, params=[mlflow.entities.Param(k, str(v)) for k, v in params_flat.items()])
-            prepared = preprocess(config.data, config.preprocess, config.augment, trial_run)
-            history: list[float] = []
-
-            def report(epoch: int, metrics: dict) -> bool:
-                history.append(metrics["val_macro_f1"])
-                client.log_metric(run.info.run_id, "val_macro_f1", metrics["val_macro_f1"], step=epoch)
-                trial.report(metrics["val_macro_f1"], epoch)
-                return trial.should_prune()
-
-            with stage_run(trial_run, "train") as train_run:
-                trained = launch_worker("train", config, prepared, train_run.info.run_id, Path(trial_run["work_dir"]) / "train",
-                                        on_epoch=report, cpus=cpus, gpus=gpus)
-                if trained.get("stopped_by"):
-                    mlflow.set_tag(TRIAL_STATE_TAG, "pruned")
-            client.log_metric(run.info.run_id, "epochs_run", trained["epochs_run"])
-            if trained.get("stopped_by"):
-                return finish("pruned", reason=f"validation macro-F1 {history[-1]:.4f} after epoch {trained['epochs_run']} "
-                                                f"is below the {pruner} rule of the finished trials")
-            checkpoint, value = trained["best_checkpoint"], trained["best_val_macro_f1"]
-            if config.prune.amount > 0:
-                for round_no, amount in enumerate(config.prune.round_amounts(), 1):
-                    pruned = prune_round(config, checkpoint, prepared, trial_run, round_no, amount, cpus=cpus, gpus=gpus)
-                    checkpoint, value = pruned["checkpoint"], pruned["best_val_macro_f1"]
-            client.log_metric(run.info.run_id, "best_val_macro_f1", value)
-            client.set_tag(run.info.run_id, "checkpoint", checkpoint)
-            trial.set_user_attr("checkpoint", checkpoint)  # so that a later sweep of the same study can pick it
-            trial.set_user_attr("prepared", prepared["path"])
-            trial.set_user_attr("config", config.model_dump(mode="json"))
-            return {**finish("complete", value), "checkpoint": checkpoint}
+            outcome = _train_trial(base, params, trial, trial_run, pruner, cpus, gpus)
+        except ConfigError as err:  # a combination the settings refuse
+            outcome = {"state": "failed", "value": None, "reason": str(err)}
         except Exception as err:  # noqa: BLE001 - a failed trial is recorded, the sweep goes on
-            finish("failed", reason=f"{type(err).__name__}: {err}")
-            return {**summary, "state": "failed", "value": None, "reason": str(err)}
+            outcome = {"state": "failed", "value": None, "reason": f"{type(err).__name__}: {err}"}
+        seconds = time.perf_counter() - started
+        state, value, reason = outcome["state"], outcome["value"], outcome["reason"]
+        mlflow.set_tag(TRIAL_STATE_TAG, state)
+        if reason:
+            mlflow.set_tag("zhflow.failure" if state == "failed" else "zhflow.pruned_reason", reason[:4000])
+        mlflow.log_metric("trial_seconds", seconds)
+        if state != "complete":
+            mlflow.end_run("KILLED" if state == "pruned" else "FAILED")
+    logger.info("trial %d %s%s in %.0fs: %s", trial.number, state, f" ({value:.4f})" if value is not None else "",
+                seconds, reason or params)
+    return {"number": trial.number, "run_id": run.info.run_id, "params": params, "seconds": seconds, **outcome}
+
+
+def _train_trial(base: PipelineConfig, params: dict, trial: optuna.Trial, trial_run: dict, pruner: str, cpus: int,
+                 gpus: list[int] | None) -> dict:
+    config = apply_params(base, params)
+    mlflow.log_params(flatten(config))
+    prepared = preprocess(config.data, config.preprocess, config.augment, trial_run)
+    history: list[float] = []
+    client = MlflowClient()
+
+    def report(epoch: int, metrics: dict) -> bool:  # the worker's epoch result -> the study's pruner
+        history.append(metrics["val_macro_f1"])
+        client.log_metric(trial_run["run_id"], "val_macro_f1", metrics["val_macro_f1"], step=epoch)
+        trial.report(metrics["val_macro_f1"], epoch)
+        return trial.should_prune()
+
+    with stage_run(trial_run, "train") as train_run:
+        trained = launch_worker("train", config, prepared, train_run.info.run_id, Path(trial_run["work_dir"]) / "train",
+                                on_epoch=report, cpus=cpus, gpus=gpus)
+        if trained.get("stopped_by"):
+            mlflow.set_tag(TRIAL_STATE_TAG, "pruned")
+    mlflow.log_metric("epochs_run", trained["epochs_run"])
+    if trained.get("stopped_by"):
+        return {"state": "pruned", "value": None, "reason": f"validation macro-F1 {history[-1]:.4f} after epoch "
+                f"{trained['epochs_run']} is below the {pruner} rule of the finished trials"}
+    checkpoint, value = trained["best_checkpoint"], trained["best_val_macro_f1"]
+    if config.prune.amount > 0:
+        for round_no, amount in enumerate(config.prune.round_amounts(), 1):
+            pruned = prune_round(config, checkpoint, prepared, trial_run, round_no, amount, cpus=cpus, gpus=gpus)
+            checkpoint, value = pruned["checkpoint"], pruned["best_val_macro_f1"]
+    mlflow.log_metric("best_val_macro_f1", value)
+    mlflow.set_tag("checkpoint", checkpoint)
+    trial.set_user_attr("checkpoint", checkpoint)  # so that a later sweep of the same study can pick it
+    trial.set_user_attr("prepared", prepared["path"])
+    trial.set_user_attr("config", config.model_dump(mode="json"))
+    return {"state": "complete", "value": value, "reason": "", "checkpoint": checkpoint}
 
 
 def trials_table(study: optuna.Study) -> list[dict]:

@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 import mlflow
-from mlflow.entities import Param
+from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from prefect import get_run_logger, task
@@ -141,6 +142,8 @@ def open_pipeline_run(config: PipelineConfig, experiment: str, kind: str = "trai
     tags = {PARENT_KIND_TAG: kind, "zhflow.version": training.__version__, **origin_tags()}
     if commit := git_commit():
         tags["mlflow.source.git.commit"] = commit
+    # the parent spans the flow's tasks, which run in other threads, and MLflow's fluent runs are per thread: so the client
+    # opens it here and close_pipeline_run ends it (fail_open_runs marks it FAILED if the flow fails)
     run = client.create_run(experiment_id, run_name=str(flow_run.name or kind), tags=tags)
     params = [Param(k, str(v)) for k, v in flatten(config).items()]
     client.log_batch(run.info.run_id, params=params)  # MLflow splits it into requests of at most 100 params
@@ -153,6 +156,7 @@ def open_pipeline_run(config: PipelineConfig, experiment: str, kind: str = "trai
 
 
 def _earlier_stage_run(parent: dict, stage: str):
+    # MLflow has no get-or-create for runs: a retried task finds the run its first attempt opened by parent and stage tag
     earlier = MlflowClient().search_runs(
         [parent["experiment_id"]],
         filter_string=f"tags.mlflow.parentRunId = '{parent['run_id']}' and tags.`{STAGE_TAG}` = '{stage}'",
@@ -204,10 +208,9 @@ def close_pipeline_run(parent: dict, metrics: dict[str, float], tags: dict[str, 
     """Log the final metrics and tags, end the run FINISHED, and put the table in the Prefect artifact
     ``artifact_key`` (a stage closed this way, the prune stage, names its own: one ``metrics`` per flow run)."""
     client = MlflowClient()
-    for key, value in metrics.items():
-        client.log_metric(parent["run_id"], key, float(value))
-    for key, value in (tags or {}).items():
-        client.set_tag(parent["run_id"], key, str(value))
+    now = int(time.time() * 1000)
+    client.log_batch(parent["run_id"], metrics=[Metric(key, float(value), now, 0) for key, value in metrics.items()],
+                     tags=[RunTag(key, str(value)) for key, value in (tags or {}).items()])
     client.set_terminated(parent["run_id"], "FINISHED")
     metrics_artifact(parent["experiment_id"], parent["experiment"], parent["run_id"], metrics, tags, key=artifact_key)
 

@@ -221,61 +221,62 @@ def test_a_trial_whose_process_died_is_run_again_first_and_a_live_one_is_left_al
     monkeypatch.setattr(sweeps, "GRACE_S", 2)
     url = f"sqlite:///{tmp_path / 'optuna.db'}"
     study = sweeps.open_study("s", url, "random", "none", {}, seed=1)
+    storage = study._storage  # the beats optimize() records, recorded by hand for trials asked here
     lost, alive = study.ask(), study.ask()
     lr = lost.suggest_float("train.lr", 1e-3, 1e-2)
     alive.suggest_float("train.lr", 1e-3, 1e-2)
-    beat = sweeps.heartbeat(study, lost)
-    beat.start()
-    beat.join()  # its process was killed: no beat after this one
+    storage.record_heartbeat(lost._trial_id)  # its process was killed: no beat after this one
     done = study.ask()
     done.suggest_float("train.lr", 1e-3, 1e-2)
     study.tell(done, 0.8)
-    living = sweeps.heartbeat(study, alive)
-    living.start()
-    try:
-        time.sleep(3.5)
-        resumed = sweeps.open_study("s", url, "random", "none", {}, seed=1)
-        assert sweeps.recover_interrupted(resumed) == [lost.number]
-        again = resumed.ask()
-        assert again.suggest_float("train.lr", 1e-3, 1e-2) == lr
-        assert optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(resumed.trials[again.number]) == lost.number
-        assert [t.state.name for t in resumed.trials][:3] == ["FAIL", "RUNNING", "COMPLETE"]
-        assert sweeps.recover_interrupted(resumed) == []  # nothing else stopped beating
-    finally:
-        living.join()
+    time.sleep(2.5)
+    storage.record_heartbeat(alive._trial_id)  # still beating
+    resumed = sweeps.open_study("s", url, "random", "none", {}, seed=1)
+    assert sweeps.recover_interrupted(resumed) == [lost.number]
+    again = resumed.ask()
+    assert again.suggest_float("train.lr", 1e-3, 1e-2) == lr
+    assert optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(resumed.trials[again.number]) == lost.number
+    assert [t.state.name for t in resumed.trials][:3] == ["FAIL", "RUNNING", "COMPLETE"]
+    assert sweeps.recover_interrupted(resumed) == []  # nothing else stopped beating
 
 
-def test_trials_are_submitted_as_slots_free_up(prefect_server):
-    """At most ``parallel`` trial tasks exist at once, so none sits polling for the concurrency slot; the next one starts
-    as soon as one ends, and results come back in submission order."""
+def test_optimize_runs_trials_as_tasks_of_the_flow_run_and_tells_every_outcome(prefect_server, tmp_path):
+    """``study.optimize`` with Prefect tasks: each trial a task run of the flow run (Optuna's threads get its context),
+    at most ``parallel`` at once; complete, pruned and failed trials told as such; the grid covered once."""
     import time
 
     from prefect import flow, task
+    from prefect.runtime import flow_run
 
-    from flows.sweep import _in_window
+    import tasks.sweep as sweeps
 
     events, lock = [], threading.Lock()
 
-    @task
-    def work(slot: int) -> int:
+    @task(cache_policy=sweeps.NO_CACHE)
+    def work(trial) -> dict:
+        x = trial.suggest_categorical("x", [0, 1, 2, 3])
         with lock:
-            events.append(("start", slot, time.monotonic()))
-        time.sleep(0.4 if slot % 2 else 0.2)
+            events.append(("start", time.monotonic(), flow_run.id))
+        time.sleep(0.3)
         with lock:
-            events.append(("end", slot, time.monotonic()))
-        return slot * 10
+            events.append(("end", time.monotonic(), None))
+        state = {0: "complete", 1: "pruned", 2: "failed", 3: "complete"}[x]
+        return {"number": trial.number, "state": state, "value": float(x) if state == "complete" else None, "reason": state}
 
     @flow
-    def window(count: int, width: int) -> list:
-        return _in_window(lambda slot: work.submit(slot), count, width)
+    def search(trials: int) -> tuple[list, str]:
+        study = sweeps.open_study("g", f"sqlite:///{tmp_path / 'o.db'}", "grid", "none", {"x": {"choices": [0, 1, 2, 3]}}, 0)
+        return sweeps.optimize(study, trials, 2, work), str(flow_run.id)
 
-    assert window(5, 2) == [0, 10, 20, 30, 40]
+    results, run_id = search(4)  # the flow asks no more trials than the grid has points
+    assert sorted(r["state"] for r in results) == ["complete", "complete", "failed", "pruned"]
+    assert [r["number"] for r in results] == [0, 1, 2, 3]
+    assert all(e[2] == run_id for e in events if e[0] == "start")  # the trials ran inside the flow run
     running, most = 0, 0
-    for kind, _, _ in sorted(events, key=lambda e: e[2]):
+    for kind, _, _ in sorted(events, key=lambda e: e[1]):
         running += 1 if kind == "start" else -1
         most = max(most, running)
-    assert most == 2  # both slots used, never a third
-    starts = {slot: t for kind, slot, t in events if kind == "start"}
-    ends = sorted(t for kind, _, t in events if kind == "end")
-    for later in range(2, 5):  # each later trial began within a second of the end that freed its slot
-        assert 0 <= starts[later] - ends[later - 2] < 1.0
+    assert most == 2
+    study = optuna.load_study(study_name="g", storage=f"sqlite:///{tmp_path / 'o.db'}")
+    states = {t.params["x"]: t.state.name for t in study.trials}
+    assert states == {0: "COMPLETE", 1: "PRUNED", 2: "FAIL", 3: "COMPLETE"} and study.best_value == 3.0
