@@ -23,7 +23,6 @@ from training.presets import preset
 from training.data.prepare import prepare_dataset
 from training.evaluate import load_model, open_split, split_macro_f1
 from training.measure import latency
-from training.models import min_input_len
 from training.prune import prune, sparsity
 from training.events import read_result
 
@@ -95,9 +94,9 @@ def run(quick: bool, repeats: int) -> str:
                             "nonzero": stats["nonzero_params"], "bytes": os.path.getsize(ckpt), "lat": []}
         loaded = {key: load_model(ckpt) for key, ckpt in models.items()}
         for _ in range(repeats):  # interleaved: every model once per repeat
-            for key, (model, model_cfg, _) in loaded.items():
-                test = open_split(prepared, "test", model_cfg, max_len)
-                results[key]["lat"].append(latency(model, test, min_input_len(model_cfg), threads=1))
+            for key, (model, model_cfg, state) in loaded.items():
+                test = open_split(prepared, "test", model_cfg, max_len, state["sizes"])
+                results[key]["lat"].append(latency(model, test, threads=1))
 
     def med(key, name):
         return float(np.median([m[name] for m in results[key]["lat"]]))

@@ -7,7 +7,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -17,10 +16,9 @@ from torch.utils.data import DataLoader
 from bench.common import Timing, quick_size, verdict
 from training.job import WorkerJob
 from training.presets import preset
-from training.data.dataset import pad_batch
 from training.data.prepare import load_manifest, prepare_dataset
 from training.evaluate import open_split
-from training.models import build_model, min_input_len
+from training.models import family_of
 from training.events import read_result
 
 FAMILIES = ("textcnn", "bilstm", "transformer")
@@ -49,10 +47,11 @@ def _bare_rate(prepared: Path, family: str) -> float:
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
     manifest = load_manifest(prepared)
-    model = build_model(cfg.model, {"word": manifest["vocab_size"], "char": manifest["char_vocab_size"]}, len(manifest["labels"]))
-    data = open_split(prepared, "train", cfg.model, cfg.preprocess.max_len)
-    loader = DataLoader(data, batch_size=cfg.train.batch_size, shuffle=True,
-                        collate_fn=partial(pad_batch, min_len=min_input_len(cfg.model)))
+    family = family_of(cfg.model)
+    sizes = family.sizes(manifest, cfg.model, cfg.preprocess.max_len)
+    model = family.build(cfg.model, sizes, len(manifest["labels"]))
+    data = open_split(prepared, "train", cfg.model, cfg.preprocess.max_len, sizes)
+    loader = DataLoader(data, batch_size=cfg.train.batch_size, shuffle=True, collate_fn=data.collate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
     model.train()
     rate = 0.0

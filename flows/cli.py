@@ -25,12 +25,15 @@ FLAGS = {  # flag -> the setting it fills, with the value argparse parsed (--mod
     "dataset": "data.dataset", "format": "data.format", "text_column": "data.text_column",
     "label_column": "data.label_column", "text_columns": "data.text_columns", "encoding": "data.encoding",
     "quoting": "data.quoting", "test_dataset": "data.test_dataset", "nproc": "train.nproc",
+    "pretrained": "model.pretrained",
 }
 
 
 def build_config(args: argparse.Namespace) -> PipelineConfig:
     """The preset (with the family defaults of --model), the flags' values, then --set: validated once each."""
     model = getattr(args, "model", None)
+    if model is None and getattr(args, "pretrained", None):
+        model = "pretrained"  # --pretrained X: fine-tune X
     if model is not None and model not in MODEL_FAMILIES:
         raise ConfigError(f"model.name: unknown model family {model!r}; choose one of {', '.join(MODEL_FAMILIES)}")
     flags = {setting: getattr(args, flag) for flag, setting in FLAGS.items() if getattr(args, flag, None) is not None}
@@ -59,6 +62,9 @@ def _data_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--test-dataset", help="a file used as the fixed test split")
     parser.add_argument("--preset", default="default", choices=sorted(PRESETS), help="settings preset (default: default)")
     parser.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one setting; repeatable")
+    parser.add_argument("--pretrained", metavar="FOLDER_OR_HUB_ID",
+                        help="fine-tune this pretrained checkpoint (model.pretrained; implies --model pretrained): a "
+                             "save_pretrained folder or a hub id such as hfl/chinese-roberta-wwm-ext")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -243,9 +249,11 @@ def preprocess_command(config: PipelineConfig, out: Path) -> int:
 
     from training.data.prepare import manifest_markdown, prepare_dataset
     from training.data.readers import DatasetError
+    from training.models import tokenizer_source
 
     try:
-        manifest = prepare_dataset(config.data, config.preprocess, out, progress=True, augment=config.augment)
+        manifest = prepare_dataset(config.data, config.preprocess, out, progress=True, augment=config.augment,
+                                   tokenizer=tokenizer_source(config.model))
     except (DatasetError, ValueError, OSError) as err:
         print(f"zhflow: error: {err}", file=sys.stderr)
         return 2
@@ -426,6 +434,9 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         from training.paths import allow_typed, config_paths
 
         allow_typed(*config_paths(config))  # the user's own files: only paths from flow parameters are confined
+        from training.models import check_model
+
+        check_model(config.model)  # a checkpoint that cannot be loaded: one line now, no run recorded, no server started
     except ConfigError as err:
         parser.exit(2, f"zhflow: error: {err}\n")
     if args.command == "preprocess":

@@ -13,6 +13,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from training.config import ExperimentName, PipelineConfig
+from training.models import check_model, tokenizer_source
 from training.presets import PresetName, on_preset
 from training.paths import check_config_paths
 from tasks.baseline import baseline_model
@@ -51,8 +52,9 @@ def train_pipeline(config: Optional[PipelineConfig] = None, experiment: Experime
         return skipped(slot)
     config = on_preset(config, preset)
     check_config_paths(config)  # a path from the form may not leave the allowed folders
+    check_model(config.model)  # a pretrained checkpoint that cannot be loaded: refused before any run is opened
     parent = open_pipeline_run(config, experiment)
-    prepared = preprocess(config.data, config.preprocess, config.augment, parent)
+    prepared = preprocess(config.data, config.preprocess, config.augment, parent, tokenizer_source(config.model))
     stage_runs, metrics, neural = {"preprocess": prepared["run_id"]}, {}, None
     baseline = baseline_model(config, prepared, parent)
     if "neural" in config.select.candidates:

@@ -14,7 +14,6 @@ from training.config import PipelineConfig
 from training.data.prepare import load_manifest
 from training.evaluate import load_model, open_split, predict_proba
 from training.metrics import log_evaluation
-from training.models import min_input_len
 from training.prune import sparsity
 from tasks.tracking import stage_run
 
@@ -30,7 +29,7 @@ def evaluate_model(config: PipelineConfig, checkpoint: str, prepared: dict, pare
         probs = {}
         for split in ("val", "test"):
             data = open_split(prepared["path"], split, model_cfg, config.preprocess.max_len)
-            probs[split] = (predict_proba(model, data, config.evaluate.batch_size, min_input_len(model_cfg)), data.labels)
+            probs[split] = (predict_proba(model, data, config.evaluate.batch_size), data.labels)
         # the texts as the user wrote them, for the error analysis; same order as the encoded split
         texts = pd.read_json(Path(prepared["path"]) / "test.jsonl", lines=True, dtype=False)["text"].tolist()
         metrics = log_evaluation(probs["test"][1], probs["test"][0], labels, texts, f"{stage}: test")

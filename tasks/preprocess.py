@@ -20,6 +20,7 @@ import training.text
 from training.config import AugmentConfig, DataConfig, PreprocessConfig
 from training.data.prepare import MANIFEST, manifest_markdown, prepare_dataset
 from training.data.readers import dataset_digest
+from training.models import tokenizer_key
 from training.text.segment import file_digest
 from tasks.tracking import stage_run, work_root
 
@@ -34,8 +35,9 @@ def code_version() -> str:
     return h.hexdigest()[:16]
 
 
-def preprocess_key(data: DataConfig, pre: PreprocessConfig, augment: AugmentConfig) -> str:
-    """The content address of a prepared folder: every input that can change its bytes."""
+def preprocess_key(data: DataConfig, pre: PreprocessConfig, augment: AugmentConfig, tokenizer: str | None = None) -> str:
+    """The content address of a prepared folder: every input that can change its bytes (a pretrained model's
+    tokenizer by the digest of its files: two tokenizers never share a folder)."""
     payload = json.dumps(
         {
             "dataset": dataset_digest(data.dataset),
@@ -46,6 +48,7 @@ def preprocess_key(data: DataConfig, pre: PreprocessConfig, augment: AugmentConf
             "augment": augment.model_dump() if augment.enabled else None,
             "synonyms": file_digest(augment.synonyms) if augment.enabled else None,
             "code": code_version(),
+            "tokenizer": tokenizer_key(tokenizer) if tokenizer else None,
         },
         sort_keys=True,
     )
@@ -67,20 +70,23 @@ def _cache_policy() -> CacheKeyFnPolicy:
 
 
 @task(name="prepare-data", persist_result=True)
-def prepare_data(data: DataConfig, pre: PreprocessConfig, augment: AugmentConfig, out_dir: str) -> dict:
-    manifest = prepare_dataset(data, pre, out_dir, progress=True, augment=augment)
+def prepare_data(data: DataConfig, pre: PreprocessConfig, augment: AugmentConfig, out_dir: str,
+                 tokenizer: str | None = None) -> dict:
+    manifest = prepare_dataset(data, pre, out_dir, progress=True, augment=augment, tokenizer=tokenizer)
     return {"path": out_dir, "manifest": manifest}
 
 
 @task(name="preprocess")
-def preprocess(data: DataConfig, pre: PreprocessConfig, augment: AugmentConfig, parent: dict) -> dict:
-    """Prepare (or reuse) the dataset folder and record it in a nested ``preprocess`` run."""
+def preprocess(data: DataConfig, pre: PreprocessConfig, augment: AugmentConfig, parent: dict,
+               tokenizer: str | None = None) -> dict:
+    """Prepare (or reuse) the dataset folder and record it in a nested ``preprocess`` run; ``tokenizer``: see
+    ``training.data.prepare.prepare_dataset``."""
     logger = get_run_logger()
-    out_dir = work_root() / "prepared" / preprocess_key(data, pre, augment)
+    out_dir = work_root() / "prepared" / preprocess_key(data, pre, augment, tokenizer)
     fresh = not (out_dir / MANIFEST).is_file()  # the folder is gone: the cache entry is stale
     with stage_run(parent, "preprocess") as run:
         state = prepare_data.with_options(refresh_cache=fresh, cache_policy=_cache_policy())(
-            data, pre, augment, str(out_dir), return_state=True)
+            data, pre, augment, str(out_dir), tokenizer, return_state=True)
         prepared = state.result()
         manifest = prepared["manifest"]
         cached = state.name == "Cached"
@@ -88,7 +94,9 @@ def preprocess(data: DataConfig, pre: PreprocessConfig, augment: AugmentConfig, 
         mlflow.log_metrics({f"count_{k}": v for k, v in manifest["counts"].items()}
                            | {f"{s}_texts": v["n"] for s, v in manifest["splits"].items()}
                            | {f"{s}_oov_rate": v["unk_rate"] for s, v in manifest["splits"].items()}
-                           | {"vocab_size": manifest["vocab_size"]})
+                           | {"vocab_size": manifest["vocab_size"]}
+                           | ({f"{s}_truncated": n for s, n in manifest["tokenizer"]["truncated"].items()}
+                              if manifest.get("tokenizer") else {}))
         mlflow.log_dict(manifest, "manifest.json")
         with warnings.catch_warnings():  # MLflow registers its local-file source twice and warns that it must pick one
             warnings.simplefilter("ignore", UserWarning)

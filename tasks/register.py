@@ -31,6 +31,7 @@ import training
 from training.config import BUILTIN_DATASETS, PipelineConfig
 from training.data.prepare import load_manifest
 from training.inference import TextClassifier
+from training.models import family_of
 from tasks.schedule import SLOT_TAG
 from tasks.tracking import stage_run, work_root
 
@@ -65,8 +66,10 @@ def registered_name(config: PipelineConfig, manifest: dict) -> str:
     return f"zhflow-{slug or 'dataset'}-{hashlib.sha256(stem.encode('utf-8')).hexdigest()[:6]}"
 
 
-def _requirements(config: PipelineConfig) -> list[str]:
+def _requirements(config: PipelineConfig, kind: str) -> list[str]:
     names = ["torch", "mlflow", "jieba", "numpy", "pandas", "pydantic", "scikit-learn"]
+    if kind in ("neural", "ensemble"):
+        names += family_of(config.model).requirements()
     if config.preprocess.segmenter == "rjieba":
         names.append("rjieba")
     if config.preprocess.traditional_to_simplified:
@@ -166,15 +169,16 @@ def _artifacts(config: PipelineConfig, candidate: dict, prepared: dict, manifest
     meta = tmp / "meta.json"
     meta.write_text(json.dumps({"labels": manifest["labels"], "preprocess": config.preprocess.model_dump(), "kind": kind,
                                 "weight": candidate.get("weight", 1.0 if kind == "neural" else 0.0)}, ensure_ascii=False))
-    artifacts = {"meta": str(meta), "vocab": str(Path(prepared["path"]) / "vocab.json")}
+    artifacts = {"meta": str(meta)}
     if kind in ("neural", "ensemble"):
         checkpoint = tmp / "model.pt"
         shutil.copy(candidate["checkpoint"], checkpoint)
         shutil.copy(candidate["checkpoint"] + ".json", str(checkpoint) + ".json")
+        # what the family needs to encode raw text (zhflow's vocabularies, or the model's own tokenizer)
         artifacts |= {"checkpoint": str(checkpoint), "checkpoint_sidecar": str(checkpoint) + ".json",
-                      "char_vocab": str(Path(prepared["path"]) / "char_vocab.json")}
+                      **family_of(config.model).served_artifacts(prepared["path"])}
     if kind in ("linear", "ensemble"):
-        artifacts["linear"] = candidate["linear_dir"]
+        artifacts |= {"linear": candidate["linear_dir"], "vocab": str(Path(prepared["path"]) / "vocab.json")}
     for key in ("user_dict", "stopwords_file"):
         if getattr(config.preprocess, key):
             artifacts[key] = getattr(config.preprocess, key)
@@ -203,7 +207,7 @@ def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, pare
         signature = infer_signature(EXAMPLE, classifier.predict(None, EXAMPLE))
         info = mlflow.pyfunc.log_model(
             name="model", python_model=str(Path(training.__file__).parent / "pyfunc_model.py"), artifacts=artifacts, signature=signature, input_example=EXAMPLE,
-            pip_requirements=_requirements(config), code_paths=[str(Path(training.__file__).parent)],
+            pip_requirements=_requirements(config, kind), code_paths=[str(Path(training.__file__).parent)],
         )
         mlflow.set_tag("candidate", kind)
         result = {"name": name, "version": None, "uri": info.model_uri, "alias": None, "run_id": run.info.run_id, "kind": kind}

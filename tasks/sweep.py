@@ -25,6 +25,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
 
 from training.config import ConfigError, PipelineConfig, flatten
+from training.models import tokenizer_source
 from training.sweep import apply_params, grid, suggest
 from tasks.preprocess import preprocess
 from tasks.prune import prune_round
@@ -191,7 +192,7 @@ def _train_trial(base: PipelineConfig, params: dict, trial: optuna.Trial, trial_
                  gpus: list[int] | None) -> dict:
     config = apply_params(base, params)
     mlflow.log_params(flatten(config))
-    prepared = preprocess(config.data, config.preprocess, config.augment, trial_run)
+    prepared = preprocess(config.data, config.preprocess, config.augment, trial_run, tokenizer_source(config.model))
     history: list[float] = []
     client = MlflowClient()
 

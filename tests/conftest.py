@@ -72,3 +72,36 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+def build_tiny_bert(folder: Path, architecture: str = "bert", pad_last: bool = False, hidden: int = 32) -> Path:
+    """A 2-layer encoder with a WordPiece vocabulary of the fixtures' characters, saved with ``save_pretrained``
+    (no hub here): what a user's local checkpoint folder looks like. ``pad_last``: the pad token at the last id."""
+    from transformers import BertConfig, BertModel, BertTokenizer, RobertaConfig, RobertaModel
+
+    chars = sorted({ch for text in POSITIVE + NEGATIVE for ch in text} | set("第次购买0123456789,.!?"))
+    specials = ["[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tokens = (specials + chars + ["[PAD]"]) if pad_last else (["[PAD]"] + specials + chars)
+    vocab = {token: i for i, token in enumerate(tokens)}
+    tokenizer = BertTokenizer(vocab=vocab, tokenize_chinese_chars=True)
+    sizes = dict(vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=2 * hidden, pad_token_id=vocab["[PAD]"])
+    if architecture == "roberta":
+        model = RobertaModel(RobertaConfig(max_position_embeddings=64 + vocab["[PAD]"] + 1, **sizes))
+    else:
+        model = BertModel(BertConfig(max_position_embeddings=64, **sizes))
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(folder)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory) -> Path:
+    return build_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
+
+
+@pytest.fixture(scope="session")
+def tiny_roberta_pad_last(tmp_path_factory) -> Path:
+    """RoBERTa architecture, its pad token at the last id (not 0)."""
+    return build_tiny_bert(tmp_path_factory.mktemp("tiny-roberta"), architecture="roberta", pad_last=True)

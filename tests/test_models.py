@@ -75,3 +75,68 @@ def test_every_family_prunes_globally(name):
 def test_transformer_heads_must_divide_embedding():
     with pytest.raises(ValueError, match="multiple of num_heads"):
         ModelConfig(name="transformer", embed_dim=30, num_heads=4)
+
+
+def test_the_learned_position_table_is_as_long_as_the_input_limit():
+    """No rows the model can never see (an 8192-row table for 128 tokens was a million dead parameters)."""
+    cfg = _cfg("transformer", input="both", max_char_len=96)
+    model = build_model(cfg, VOCAB, 2, max_len=40)
+    assert model.encoders["word"].positions.weight.shape[0] == 40
+    assert model.encoders["char"].positions.weight.shape[0] == 96
+    assert build_model(_cfg("transformer", positions="sinusoidal"), VOCAB, 2, max_len=40).encoders["word"].table.shape[0] == 40
+
+
+def test_pad_batch_pads_with_the_given_id():
+    batch, _ = pad_batch([({"tokens": torch.tensor([5, 6, 7])}, 0), ({"tokens": torch.tensor([8])}, 1)], pad_id=3)
+    assert batch["tokens"].tolist() == [[5, 6, 7], [8, 3, 3]]
+
+
+def test_every_registered_family_builds_from_its_own_module():
+    from training.models import REGISTRY, family
+    from training.models.base import Family
+
+    for name in REGISTRY:
+        fam = family(name)
+        assert isinstance(fam, Family) and fam.name == name
+    with pytest.raises(ValueError, match="unknown model family 'gpt'"):
+        family("gpt")
+
+
+def test_no_code_outside_the_family_modules_branches_on_a_family_name():
+    """The worker, evaluation, pruning, registration and the pyfunc go through the family interface."""
+    import re
+    from pathlib import Path
+
+    from training.models import REGISTRY
+
+    root = Path(__file__).resolve().parents[1]
+    names = "|".join(REGISTRY)
+    pattern = re.compile(rf"""\.name\s*(==|!=|in)\s*[\(\[]?\s*["']({names})["']""")
+    offenders = []
+    for folder in ("training", "tasks", "flows"):
+        for path in (root / folder).rglob("*.py"):
+            if path.parent.name == "models" or path.name == "config.py":  # the families, and the schema's own check
+                continue
+            offenders += [f"{path.relative_to(root)}:{i}" for i, line in enumerate(path.read_text().splitlines(), 1)
+                          if pattern.search(line)]
+    assert not offenders, offenders
+
+
+def test_each_rank_and_epoch_has_its_own_reproducible_seed():
+    from training.worker import epoch_seed
+
+    seeds = {(rank, epoch): epoch_seed(13, rank, epoch) for rank in range(4) for epoch in range(3)}
+    assert len(set(seeds.values())) == len(seeds)  # no two ranks (or epochs) draw the same dropout masks
+    assert epoch_seed(13, 1, 2) == seeds[(1, 2)] and epoch_seed(14, 1, 2) != seeds[(1, 2)]
+
+
+def test_no_weight_decay_on_biases_and_norms():
+    from training.worker import parameter_groups
+
+    model = build_model(_cfg("transformer"), VOCAB, 2)
+    decay, no_decay = parameter_groups(model, 0.01)
+    assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(names[id(p)].endswith("bias") or "norm" in names[id(p)] for p in no_decay["params"])
+    assert any(names[id(p)].endswith("embedding.weight") for p in decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))

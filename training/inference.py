@@ -24,7 +24,7 @@ from training.config import PreprocessConfig
 from training.data.vocab import UNK
 from training.evaluate import load_model
 from training.linear import LinearModel
-from training.models import min_input_len, model_inputs
+from training.models import family_of
 from training.text.clean import normalizer
 from training.text.segment import Segmenter
 
@@ -57,48 +57,37 @@ class TextClassifier(mlflow.pyfunc.PythonModel):
         self.normalize = normalizer(self.pre)
         self.segmenter = Segmenter.from_config(self.pre)
         self.chars = Segmenter("char", "none")
-        self.stoi = {"word": _stoi(artifacts["vocab"])}
-        self.model = self.linear = None
-        self.inputs: tuple[str, ...] = ()
+        self.model = self.linear = self.encoder = None
+        self.word_stoi: dict[str, int] = {}
         if self.kind in ("neural", "ensemble"):
-            self.model, self.model_cfg, _ = load_model(artifacts["checkpoint"])
+            self.model, self.model_cfg, state = load_model(artifacts["checkpoint"])
             self.model.eval()
-            self.inputs = model_inputs(self.model_cfg)
-            if "char" in self.inputs:
-                self.stoi["char"] = _stoi(artifacts["char_vocab"])
-            self.limits = {"word": self.pre.max_len, "char": self.model_cfg.max_char_len}
-            self.min_len = min_input_len(self.model_cfg)
+            # the family says how raw text becomes the model's batch (zhflow's vocabularies, or its own tokenizer)
+            self.encoder = family_of(self.model_cfg).text_encoder(self.model_cfg, state["sizes"], artifacts,
+                                                                  self.pre.max_len, self.segmenter)
         if self.kind in ("linear", "ensemble"):
             self.linear = LinearModel.load(artifacts["linear"])
+            self.word_stoi = _stoi(artifacts["vocab"])
 
     def _words(self, clean: list[str]) -> list[list[str]]:
         """Word tokens as the prepared vocabulary holds them (tokens it lacks as <unk>)."""
-        stoi = self.stoi["word"]
+        stoi = self.word_stoi
         return [[t if t in stoi else UNK for t in self.segmenter.tokenize(c)] for c in clean]
-
-    def _encode(self, clean: list[str], words: list[list[str]]) -> dict[str, torch.Tensor]:
-        batch = {}
-        for name in self.inputs:
-            stoi, unk = self.stoi[name], self.stoi[name][UNK]
-            tokens = words if name == "word" else [self.chars.tokenize(c) for c in clean]
-            rows = [[stoi.get(t, unk) for t in row][: self.limits[name]] for row in tokens]
-            ids = torch.zeros(len(rows), max([self.min_len] + [len(r) for r in rows]), dtype=torch.long)
-            for i, row in enumerate(rows):
-                ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-            batch[name] = ids
-        return batch
 
     def predict_proba(self, texts: list[str], batch_size: int = 256) -> np.ndarray:
         out = []
         for start in range(0, len(texts), batch_size):
             clean = [self.normalize(t) for t in texts[start : start + batch_size]]
-            needs_words = self.linear is not None or "word" in self.inputs
-            words = self._words(clean) if needs_words else []
+            words = None
+            if self.linear is not None:  # segmented once, for the linear model and a word-input neural model
+                words = self._words(clean)
             probs = 0.0
             if self.model is not None:
+                if words is None and self.encoder.needs_words:
+                    words = [self.segmenter.tokenize(c) for c in clean]
                 with torch.no_grad():
-                    logits = self.model(self._encode(clean, words))
-                probs = self.weight * torch.softmax(logits, dim=1).numpy().astype(np.float64)
+                    logits = self.model(self.encoder(clean, words))
+                probs = self.weight * torch.softmax(logits.float(), dim=1).numpy().astype(np.float64)
             if self.linear is not None:
                 probs = probs + (1.0 - self.weight) * self.linear.predict_proba(clean, words)
             out.append(probs)

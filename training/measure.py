@@ -17,9 +17,8 @@ import time
 import numpy as np
 import torch
 
-from training.data.dataset import EncodedSplit, pad_batch
+from training.data.dataset import EncodedSplit
 from training.evaluate import load_model, open_split
-from training.models import min_input_len
 from training.prune import sparsity
 
 BATCH_SIZES = (1, 64)
@@ -27,7 +26,7 @@ _THREADS = threading.Lock()  # torch's thread count is per process: parallel swe
 
 
 @torch.inference_mode()
-def latency(model: torch.nn.Module, split: EncodedSplit, min_len: int, threads: int = 1,
+def latency(model: torch.nn.Module, split: EncodedSplit, threads: int = 1,
             batch_sizes: tuple[int, ...] = BATCH_SIZES, timings: int = 60, warmup: int = 10) -> dict[str, float]:
     """p50 and p95 milliseconds per batch for each batch size, over ``timings`` batches of real texts."""
     model.eval()
@@ -37,7 +36,7 @@ def latency(model: torch.nn.Module, split: EncodedSplit, min_len: int, threads: 
         torch.set_num_threads(threads)
         try:
             for size in batch_sizes:
-                times = _timings(model, split, min_len, size, timings, warmup)
+                times = _timings(model, split, size, timings, warmup)
                 out[f"latency_b{size}_p50_ms"] = float(np.percentile(times, 50))
                 out[f"latency_b{size}_p95_ms"] = float(np.percentile(times, 95))
         finally:
@@ -45,9 +44,9 @@ def latency(model: torch.nn.Module, split: EncodedSplit, min_len: int, threads: 
     return out
 
 
-def _timings(model, split: EncodedSplit, min_len: int, size: int, timings: int, warmup: int) -> list[float]:
+def _timings(model, split: EncodedSplit, size: int, timings: int, warmup: int) -> list[float]:
     n_batches = max(1, min(timings, len(split) // size))
-    batches = [pad_batch([split[(i * size + j) % len(split)] for j in range(size)], min_len=min_len)[0] for i in range(n_batches)]
+    batches = [split.collate([split[(i * size + j) % len(split)] for j in range(size)])[0] for i in range(n_batches)]
     for i in range(warmup):
         model(batches[i % len(batches)])
     times = []
@@ -60,12 +59,12 @@ def _timings(model, split: EncodedSplit, min_len: int, size: int, timings: int, 
 
 def measure_checkpoint(checkpoint: str, prepared_dir: str, max_len: int, threads: int = 1, split: str = "test") -> dict[str, float]:
     """Sparsity (global and per layer), parameters, file size and latency of a saved model."""
-    model, cfg, _ = load_model(checkpoint)
-    data = open_split(prepared_dir, split, cfg, max_len)
+    model, cfg, state = load_model(checkpoint)
+    data = open_split(prepared_dir, split, cfg, max_len, state["sizes"])
     return {
         **sparsity(model),
         "file_bytes": float(os.path.getsize(checkpoint)),
-        **latency(model, data, min_input_len(cfg), threads),
+        **latency(model, data, threads),
     }
 
 

@@ -20,7 +20,6 @@ lost 35% to 50% removes the next 15%, which is how the iterative schedule works.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.nn.utils import prune as torch_prune
 
@@ -92,96 +91,15 @@ def global_l1_prune(model: nn.Module, amount: float, include_embedding: bool = T
 
 # ---- structured ------------------------------------------------------------------
 
-def _keep(n_original: int, amount: float) -> int:
-    return max(1, round(n_original * (1 - amount)))
-
-
-def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores (all of them if fewer), in their original order."""
-    return torch.topk(scores, min(k, len(scores))).indices.sort().values
-
-
-def _rows(idx: torch.Tensor, block: int, blocks: int) -> torch.Tensor:
-    """Row indices of units ``idx`` in a matrix of ``blocks`` stacked blocks of ``block`` rows (LSTM gates, q/k/v)."""
-    return torch.cat([idx + b * block for b in range(blocks)])
-
-
 def structured_prune(
     model: nn.Module, cfg: ModelConfig, amount: float, include_embedding: bool = True, reference: ModelConfig | None = None
 ) -> tuple[nn.Module, ModelConfig]:
-    """A smaller model of the same family: the ``amount`` share of units (of ``reference``'s sizes) removed."""
-    from training.models import build_model
+    """A smaller model of the same family: the ``amount`` share of units (of ``reference``'s sizes) removed; how the
+    units are ranked and cut is the family's (``Family.structured_prune``)."""
+    from training.models import family_of
 
     _check_amount(amount)
-    ref = reference or cfg
-    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    new: dict[str, torch.Tensor] = {}
-    update: dict = {}
-    classifier_cols, offset = [], 0
-    for name, encoder in model.encoders.items():
-        p = f"encoders.{name}."
-        emb = sd[p + "embedding.weight"]
-        dims = torch.arange(emb.size(1))
-        if include_embedding and cfg.name in ("textcnn", "bilstm"):
-            dims = _top(emb.norm(dim=0), _keep(ref.embed_dim, amount))
-            update["embed_dim"] = len(dims)
-        new[p + "embedding.weight"] = emb[:, dims]
-        if cfg.name == "textcnn":
-            n_keep = _keep(ref.num_filters, amount)
-            for i in range(len(cfg.kernel_sizes)):
-                w, b = sd[f"{p}convs.{i}.weight"][:, dims], sd[f"{p}convs.{i}.bias"]
-                keep = _top(w.flatten(1).norm(dim=1), n_keep)
-                new[f"{p}convs.{i}.weight"], new[f"{p}convs.{i}.bias"] = w[keep], b[keep]
-                classifier_cols.append(keep + offset)
-                offset += w.size(0)
-            update["num_filters"] = n_keep
-        elif cfg.name == "bilstm":
-            h, n_keep = cfg.hidden_size, _keep(ref.hidden_size, amount)
-            inputs = dims  # input columns of layer 0: the kept embedding dimensions
-            for layer in range(cfg.num_layers):
-                kept = []
-                for suffix, shift in (("", 0), ("_reverse", h)):
-                    k = f"{p}lstm.weight_ih_l{layer}{suffix}", f"{p}lstm.weight_hh_l{layer}{suffix}"
-                    kb = f"{p}lstm.bias_ih_l{layer}{suffix}", f"{p}lstm.bias_hh_l{layer}{suffix}"
-                    w_ih, w_hh = sd[k[0]], sd[k[1]]
-                    score = (w_ih.view(4, h, -1).pow(2).sum((0, 2)) + w_hh.view(4, h, -1).pow(2).sum((0, 2))).sqrt()
-                    units = _top(score, n_keep)
-                    rows = _rows(units, h, 4)
-                    new[k[0]], new[k[1]] = w_ih[rows][:, inputs], w_hh[rows][:, units]
-                    new[kb[0]], new[kb[1]] = sd[kb[0]][rows], sd[kb[1]][rows]
-                    kept.append(units + shift)
-                inputs = torch.cat(kept)  # the next layer (and the attention) read both directions' outputs
-            new[p + "attention.weight"], new[p + "attention.bias"] = sd[p + "attention.weight"][:, inputs], sd[p + "attention.bias"]
-            classifier_cols.append(inputs + offset)
-            offset += 2 * h
-            update["hidden_size"] = n_keep
-        else:  # transformer: heads and feed-forward units; the residual width stays
-            hd = cfg.head_dim or cfg.embed_dim // cfg.num_heads
-            ref_ffn = ref.ffn_dim or 4 * ref.embed_dim
-            n_heads, n_ffn = _keep(ref.num_heads, amount), _keep(ref_ffn, amount)
-            for layer in range(cfg.num_layers):
-                q = f"{p}layers.{layer}."
-                qkv, qkv_b, out = sd[q + "qkv.weight"], sd[q + "qkv.bias"], sd[q + "out.weight"]
-                a = cfg.num_heads * hd
-                head_score = (qkv.view(3, cfg.num_heads, hd, -1).pow(2).sum((0, 2, 3))
-                              + out.view(-1, cfg.num_heads, hd).pow(2).sum((0, 2))).sqrt()
-                heads = _top(head_score, n_heads)
-                cols = (heads[:, None] * hd + torch.arange(hd)[None, :]).flatten()  # the kept heads' columns
-                rows = _rows(cols, a, 3)
-                new[q + "qkv.weight"], new[q + "qkv.bias"], new[q + "out.weight"] = qkv[rows], qkv_b[rows], out[:, cols]
-                ff1, ff1_b, ff2 = sd[q + "ff1.weight"], sd[q + "ff1.bias"], sd[q + "ff2.weight"]
-                units = _top(ff1.norm(dim=1) * ff2.norm(dim=0), n_ffn)
-                new[q + "ff1.weight"], new[q + "ff1.bias"], new[q + "ff2.weight"] = ff1[units], ff1_b[units], ff2[:, units]
-            update.update(num_heads=n_heads, head_dim=hd, ffn_dim=n_ffn)
-            classifier_cols.append(torch.arange(encoder.out_dim) + offset)
-            offset += encoder.out_dim
-    new["classifier.weight"] = sd["classifier.weight"][:, torch.cat(classifier_cols)]
-    new_cfg = cfg.model_copy(update=update)
-    vocab_sizes = {name: enc.embedding.num_embeddings for name, enc in model.encoders.items()}
-    pruned = build_model(new_cfg, vocab_sizes, model.classifier.out_features)
-    pruned.load_state_dict({k: new.get(k, v) for k, v in sd.items()})
-    pruned.train(model.training)
-    return pruned, new_cfg
+    return family_of(cfg).structured_prune(model, cfg, amount, include_embedding, reference or cfg)
 
 
 def prune(

@@ -17,7 +17,6 @@ import copy
 import math
 import os
 import time
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -31,12 +30,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from training import distributed
 from training.checkpoint import load_checkpoint, save_checkpoint
-from training.data.dataset import pad_batch, to_device
+from training.data.dataset import to_device
 from training.data.prepare import load_manifest
 from training.evaluate import open_split, predict_proba
 from training.events import EVENTS_FILE, EventWriter
 from training.job import WorkerJob
-from training.models import build_model, min_input_len
+from training.models import family_of
 from training.prune import prunable_weights
 from training.metric_logger import MetricLogger, NullLogger
 
@@ -106,26 +105,42 @@ def masked_copy(model: torch.nn.Module) -> torch.nn.Module:
     return clean
 
 
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: weight decay on weight matrices and embeddings, none on biases and LayerNorm weights (vectors)."""
+    decay, no_decay = [], []
+    for _, param in model.named_parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def epoch_seed(seed: int, rank: int, epoch: int) -> int:
+    """The seed of one rank's epoch: dropout masks differ between ranks, and the run is reproducible from
+    ``train.seed``, also after a resume (which starts at an epoch)."""
+    return int(np.random.SeedSequence([seed, rank, epoch]).generate_state(1)[0])
+
+
 class Trainer:
     def __init__(self, job: WorkerJob, info: distributed.DistInfo):
         self.job, self.info = job, info
         self.out = Path(job.out_dir)
         manifest = load_manifest(job.prepared_dir)
         self.num_classes = len(manifest["labels"])
-        self.vocab_sizes = {"word": manifest["vocab_size"], "char": manifest["char_vocab_size"]}
-        self.min_len = min_input_len(job.model)
-        torch.manual_seed(job.train.seed)  # same initial weights on every rank
-        model = build_model(job.model, self.vocab_sizes, self.num_classes)
-        if job.init_checkpoint:
-            model.load_state_dict(load_checkpoint(job.init_checkpoint)["model"])
+        self.family = family_of(job.model)
+        init = load_checkpoint(job.init_checkpoint) if job.init_checkpoint else None  # a pruned model: its own sizes
+        self.sizes = self.family.checkpoint_sizes(init) if init else self.family.sizes(manifest, job.model, job.max_len)
+        torch.manual_seed(job.train.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
+        model = self.family.build(job.model, self.sizes, self.num_classes)
+        if init:
+            model.load_state_dict(init["model"])
         if job.keep_sparsity:
             for module, name in prunable_weights(model, include_embedding=True):
                 torch_prune.custom_from_mask(module, name, getattr(module, name) != 0)
         self.raw_model = model.to(info.device)
         self.model = DDP(self.raw_model, device_ids=[info.local_rank] if info.device.type == "cuda" else None) if info.ddp else self.raw_model
 
-        self.train_set = open_split(job.prepared_dir, "train", job.model, job.max_len)
-        self.val_set = open_split(job.prepared_dir, "val", job.model, job.max_len)
+        self.train_set = open_split(job.prepared_dir, "train", job.model, job.max_len, self.sizes)
+        self.val_set = open_split(job.prepared_dir, "val", job.model, job.max_len, self.sizes)
         self.class_weights = None
         if job.train.class_weights == "balanced":
             counts = np.bincount(self.train_set.labels, minlength=self.num_classes).astype(np.float64)
@@ -134,10 +149,10 @@ class Trainer:
         self.sampler = DistributedSampler(self.train_set, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=job.train.seed)
         self.loader = DataLoader(
             self.train_set, batch_size=job.train.batch_size, sampler=self.sampler,
-            collate_fn=partial(pad_batch, min_len=self.min_len), pin_memory=info.device.type == "cuda",
+            collate_fn=self.train_set.collate, pin_memory=info.device.type == "cuda",
         )
         t = job.train
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        self.optimizer = torch.optim.AdamW(parameter_groups(self.raw_model, t.weight_decay), lr=t.lr)
         steps_per_epoch = math.ceil(len(self.loader) / t.grad_accum)
         self.total_steps = t.epochs * steps_per_epoch
         warmup = int((steps_per_epoch if t.schedule == "plateau" else self.total_steps) * t.warmup_ratio)
@@ -170,7 +185,6 @@ class Trainer:
             best_f1 = state.get("best_f1", -1.0)
             self.best = load_checkpoint(self.out / "best.pt")["metrics"] if best_f1 >= 0 else None
             self.improving_at_end = self.bad_epochs == 0
-        torch.set_rng_state(state["rng"])
         self.print(f"resumed from {last} after epoch {self.epoch} (restart {self.restarts})")
 
     def _save_last(self) -> None:
@@ -179,14 +193,13 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(), "epoch": self.epoch, "step": self.step,
             "best": self.best, "best_epoch": self.best_epoch, "bad_epochs": self.bad_epochs,
             "improving_at_end": self.improving_at_end,
-            "rng": torch.get_rng_state(),
         }, epoch=self.epoch, step=self.step)
 
     def _save_best(self, metrics: dict) -> None:
         clean = masked_copy(self.raw_model).cpu()
         save_checkpoint(self.out / "best.pt", {
             "model": clean.state_dict(), "model_config": self.job.model.model_dump(),
-            "vocab_sizes": self.vocab_sizes, "num_classes": self.num_classes, "max_len": self.job.max_len,
+            "sizes": self.sizes, "num_classes": self.num_classes, "max_len": self.job.max_len,
             "epoch": self.epoch, "step": self.step, "metrics": metrics,
         }, epoch=self.epoch, step=self.step)
 
@@ -202,9 +215,11 @@ class Trainer:
 
     def _run_epoch(self) -> float:
         self.sampler.set_epoch(self.epoch)
+        torch.manual_seed(epoch_seed(self.job.train.seed, self.info.rank, self.epoch))
         self.model.train()
         t = self.job.train
-        n_batches, losses, seen = len(self.loader), [], 0
+        n_batches, seen = len(self.loader), 0
+        window, in_window, loss_sum, n_losses = None, 0, 0.0, 0  # losses stay on the device until they are printed
         started, report_every = time.perf_counter(), max(1, n_batches // 10)
         for i, (inputs, labels) in enumerate(self.loader, 1):
             if self._past_deadline(ahead=self._val_s):  # the budget runs out mid-epoch: validate what there is, in time
@@ -219,6 +234,8 @@ class Trainer:
                     logits = self.model(inputs).float()
                 loss = F.cross_entropy(logits, labels, weight=self.class_weights, label_smoothing=t.label_smoothing)
                 (loss / t.grad_accum).backward()
+            window = loss.detach() if window is None else window + loss.detach()
+            in_window += 1
             if last_micro:
                 if t.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
@@ -229,15 +246,19 @@ class Trainer:
                 _fault_injection(self.info, self.step)
                 if self.step % t.log_every == 0:
                     self.log.add(self.step, train_loss=loss.item(), lr=self.scheduler.get_last_lr()[0])
-            losses.append(loss.item())
             seen += len(labels)
             if i % report_every == 0 or i == n_batches:
+                window_loss = window.item() / in_window
+                loss_sum, n_losses = loss_sum + window_loss * in_window, n_losses + in_window
+                window, in_window = None, 0
                 rate = seen * self.info.world_size / (time.perf_counter() - started)
                 self.emit("progress", epoch=self.epoch + 1, epochs=t.epochs, fraction=i / n_batches)
                 self.print(f"epoch {self.epoch + 1}/{t.epochs} [{100 * i // n_batches:3d}%] "
-                           f"step {i}/{n_batches} loss {np.mean(losses[-report_every:]):.4f} {rate:.0f} samples/s")
+                           f"step {i}/{n_batches} loss {window_loss:.4f} {rate:.0f} samples/s")
+        if in_window:  # the deadline cut the epoch between two reports
+            loss_sum, n_losses = loss_sum + window.item(), n_losses + in_window
         self._epoch_rate = seen * self.info.world_size / (time.perf_counter() - started)
-        return float(np.mean(losses)) if losses else math.nan
+        return loss_sum / n_losses if n_losses else math.nan
 
     def _past_deadline(self, ahead: float = 0.0) -> bool:
         """Whether ``ahead`` seconds from now lie past the time budget; the same answer on every rank (rank 0's)."""
@@ -255,7 +276,7 @@ class Trainer:
 
     def _validate_all(self) -> dict:
         mine = list(range(self.info.rank, len(self.val_set), self.info.world_size))
-        probs = predict_proba(self.raw_model, self.val_set, 256, self.min_len, self.info.device, mine)
+        probs = predict_proba(self.raw_model, self.val_set, 256, self.info.device, mine)
         parts = distributed.all_gather_objects((mine, probs), self.info)
         idx = np.concatenate([np.asarray(p[0], dtype=np.int64) for p in parts])
         all_probs = np.concatenate([p[1] for p in parts if len(p[1])])

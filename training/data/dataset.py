@@ -1,7 +1,8 @@
 """Read a prepared split back as a torch Dataset (ranks never tokenize).
 
 Items are ``({"word": ids, "char": ids}, label)`` with the inputs the model
-asks for; batches pad each input to its longest text.
+asks for, each cut at its limit; the family's ``collate`` pads a batch
+(``EncodedSplit.collate``, set by ``training.evaluate.open_split``).
 """
 
 from __future__ import annotations
@@ -12,17 +13,18 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-FILES = {"word": ("ids", "offsets"), "char": ("char_ids", "char_offsets")}
+FILES = {"word": ("ids", "offsets"), "char": ("char_ids", "char_offsets"), "tokens": ("tokens_ids", "tokens_offsets")}
 
 
 class EncodedSplit(Dataset):
     """Token ids of one split, truncated; memory-mapped, so every rank shares the pages."""
 
-    def __init__(self, prepared_dir: str | Path, split: str, max_len: int, inputs: tuple[str, ...] = ("word",),
-                 max_char_len: int = 256):
+    def __init__(self, prepared_dir: str | Path, split: str, limits: dict[str, int], inputs: tuple[str, ...] = ("word",),
+                 collate=None):
         root = Path(prepared_dir)
         self.inputs = inputs
-        self.limits = {"word": max_len, "char": max_char_len}
+        self.limits = limits
+        self.collate = collate or pad_batch
         self.arrays = {
             name: (np.load(root / f"{split}.{FILES[name][0]}.npy", mmap_mode="r"), np.load(root / f"{split}.{FILES[name][1]}.npy"))
             for name in inputs
@@ -41,14 +43,14 @@ class EncodedSplit(Dataset):
         return item, int(self.labels[i])
 
 
-def pad_batch(batch: list, min_len: int = 1) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Right-pad each input with id 0 to the longest text of the batch (at least ``min_len``, the widest kernel)."""
+def pad_batch(batch: list, min_len: int = 1, pad_id: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Right-pad each input with ``pad_id`` to the longest text of the batch (at least ``min_len``, the widest kernel)."""
     if not isinstance(batch[0][0], dict):  # a bare (ids, label) list: word input
         batch = [({"word": ids}, label) for ids, label in batch]
     padded = {}
     for name in batch[0][0]:
         width = max(min_len, max(len(item[name]) for item, _ in batch))
-        tokens = torch.zeros(len(batch), width, dtype=torch.long)
+        tokens = torch.full((len(batch), width), pad_id, dtype=torch.long)
         for row, (item, _) in enumerate(batch):
             tokens[row, : len(item[name])] = item[name]
         padded[name] = tokens

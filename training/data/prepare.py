@@ -152,9 +152,10 @@ def _length_percentiles(offsets: np.ndarray) -> dict[str, float]:
 
 def prepare_dataset(
     data: DataConfig, pre: PreprocessConfig, out_dir: str | os.PathLike, progress: bool = False,
-    augment: AugmentConfig | None = None,
+    augment: AugmentConfig | None = None, tokenizer: str | None = None,
 ) -> dict:
-    """Run the whole preprocessing stage into ``out_dir`` (written atomically) and return the manifest."""
+    """Run the whole preprocessing stage into ``out_dir`` (written atomically) and return the manifest.
+    ``tokenizer``: a pretrained model's folder or hub id; its token ids of the cleaned texts are stored too."""
     started = time.perf_counter()
     out_dir = Path(out_dir)
     augment = augment or AugmentConfig()
@@ -250,7 +251,14 @@ def prepare_dataset(
                     # identifies the (text, label) pairs alone, independent of the vocabulary: used to compare models
                     "content_digest": _key("\n".join(sorted(f"{r['label']}\t{r['clean']}" for r in originals_only))),
                 }
+            tokenized = None
+            if tokenizer:  # the pretrained family's own ids, of the same cleaned (and augmented) texts
+                from training.models.pretrained import tokenize_splits
+
+                tokenized = tokenize_splits(tokenizer, {split: [r["clean"] for r in rows[split]] for split in SPLITS},
+                                            pre.max_len, tmp)
             (tmp / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+
             (tmp / "char_vocab.json").write_text(json.dumps(char_vocab, ensure_ascii=False), encoding="utf-8")
 
             import jieba
@@ -266,6 +274,7 @@ def prepare_dataset(
                 "vocab_size": len(vocab),
                 "char_vocab_size": len(char_vocab),
                 "specials": {"pad": PAD, "unk": UNK},
+                "tokenizer": tokenized,
                 "config": {"data": data.model_dump(), "preprocess": pre.model_dump(), "augment": augment.model_dump()},
                 "files": {"user_dict": file_digest(pre.user_dict), "stopwords_file": file_digest(pre.stopwords_file),
                           "synonyms": file_digest(augment.synonyms) if augment.enabled else None},

@@ -1,50 +1,73 @@
-"""Model families, built from the config.
+"""Model families: one module each (``training.models.base.Family``), registered here with one line.
 
-Every family is an *encoder* (ids -> one feature vector per text); the
-classifier puts one encoder on words, one on characters, or both, and
-concatenates their features before dropout and a linear layer.
+    from training.models import family_of
+    family = family_of(cfg.model)                       # the settings' model.name
+    model = family.build(cfg.model, family.sizes(manifest, cfg.model, max_len), num_classes)
+    logits = model(batch)                               # a batch from family.collate(...)
 
-    model = build_model(cfg.model, vocab_sizes={"word": 20000, "char": 5000}, num_classes=2)
-    logits = model({"word": word_ids})   # (batch, seq) int64, 0 = padding
+    build_model(cfg.model, {"word": 20000, "char": 5000}, num_classes=2)  # a from-scratch family, by vocabulary sizes
+
+This module imports no torch: the settings' schema reads the family names from it.
 """
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+import importlib
+from functools import cache
 
-from training.config import ModelConfig
-from training.models.bilstm import BiLSTMEncoder
-from training.models.textcnn import TextCNNEncoder
-from training.models.transformer import TransformerEncoder
-
-FAMILIES = {"textcnn": TextCNNEncoder, "bilstm": BiLSTMEncoder, "transformer": TransformerEncoder}
-
-
-def model_inputs(cfg: ModelConfig) -> tuple[str, ...]:
-    return ("word", "char") if cfg.input == "both" else (cfg.input,)
+# name -> "module:class"; adding a family is one module and one line here
+REGISTRY = {
+    "textcnn": "training.models.textcnn:TextCNN",
+    "bilstm": "training.models.bilstm:BiLSTM",
+    "transformer": "training.models.transformer:Transformer",
+    "pretrained": "training.models.pretrained:Pretrained",
+}
+FAMILY_NAMES = tuple(REGISTRY)
 
 
-class TextClassifier(nn.Module):
-    def __init__(self, cfg: ModelConfig, vocab_sizes: dict[str, int], num_classes: int):
-        super().__init__()
-        self.inputs = model_inputs(cfg)
-        self.encoders = nn.ModuleDict({name: FAMILIES[cfg.name](cfg, vocab_sizes[name]) for name in self.inputs})
-        width = sum(enc.out_dim for enc in self.encoders.values())
-        self.dropout = nn.Dropout(cfg.dropout)
-        self.classifier = nn.Linear(width, num_classes)
-
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        features = [self.encoders[name](batch[name]) for name in self.inputs]
-        return self.classifier(self.dropout(torch.cat(features, dim=1)))
+@cache
+def family(name: str):
+    """The family registered as ``name``."""
+    if name not in REGISTRY:
+        raise ValueError(f"model.name: unknown model family {name!r}; choose one of {', '.join(REGISTRY)}")
+    module, _, cls = REGISTRY[name].partition(":")
+    return getattr(importlib.import_module(module), cls)()
 
 
-def build_model(cfg: ModelConfig, vocab_sizes: dict[str, int] | int, num_classes: int) -> TextClassifier:
+def family_of(cfg):
+    """The family of a ModelConfig."""
+    return family(cfg.name)
+
+
+def model_inputs(cfg) -> tuple[str, ...]:
+    return family_of(cfg).inputs(cfg)
+
+
+def min_input_len(cfg) -> int:
+    """Shortest token sequence the model accepts (the widest convolution of a TextCNN)."""
+    return family_of(cfg).min_len(cfg)
+
+
+def build_model(cfg, vocab_sizes: dict[str, int] | int, num_classes: int, max_len: int = 128):
+    """A from-scratch family's model from its vocabulary sizes (word input cut at ``max_len``)."""
     if isinstance(vocab_sizes, int):
         vocab_sizes = {"word": vocab_sizes, "char": vocab_sizes}
-    return TextClassifier(cfg, vocab_sizes, num_classes)
+    fam = family_of(cfg)
+    return fam.build(cfg, {"vocab": vocab_sizes, "positions": fam.limits(cfg, max_len)}, num_classes)
 
 
-def min_input_len(cfg: ModelConfig) -> int:
-    """Shortest token sequence the model accepts (the widest convolution)."""
-    return max(cfg.kernel_sizes) if cfg.name == "textcnn" else 1
+def tokenizer_source(cfg) -> str | None:
+    """The pretrained tokenizer a family reads its input with (None: zhflow's own vocabularies)."""
+    return family_of(cfg).tokenizer_source(cfg)
+
+
+def check_model(cfg) -> None:
+    """The family's own check of the settings (a pretrained checkpoint that cannot be loaded), before any run opens."""
+    family_of(cfg).check(cfg)
+
+
+def tokenizer_key(source: str) -> str:
+    """The digest of a pretrained tokenizer's files."""
+    from training.models.pretrained import load_tokenizer, tokenizer_digest
+
+    return tokenizer_digest(load_tokenizer(source))

@@ -14,9 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.config import ModelConfig
-from training.models.textcnn import make_embedding
-
-MAX_POSITIONS = 8192
+from training.models.base import ScratchFamily, _keep, _rows, _top, make_embedding
 
 
 def sinusoidal(length: int, dim: int) -> torch.Tensor:
@@ -53,14 +51,15 @@ class EncoderLayer(nn.Module):
 
 
 class TransformerEncoder(nn.Module):
-    def __init__(self, cfg: ModelConfig, vocab_size: int):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, max_positions: int):
         super().__init__()
+        self.max_positions = max_positions  # the input's length limit: no position the model can never see
         self.embedding = make_embedding(vocab_size, cfg.embed_dim)
         if cfg.positions == "learned":
-            self.positions = nn.Embedding(MAX_POSITIONS, cfg.embed_dim)
+            self.positions = nn.Embedding(max_positions, cfg.embed_dim)
             nn.init.normal_(self.positions.weight, std=0.02)
         else:
-            self.register_buffer("table", sinusoidal(MAX_POSITIONS, cfg.embed_dim), persistent=False)
+            self.register_buffer("table", sinusoidal(max_positions, cfg.embed_dim), persistent=False)
             self.positions = None
         head_dim = cfg.head_dim or cfg.embed_dim // cfg.num_heads
         ffn = cfg.ffn_dim or 4 * cfg.embed_dim
@@ -82,3 +81,31 @@ class TransformerEncoder(nn.Module):
         x = self.norm(x)
         weights = mask.unsqueeze(-1).float()
         return (x * weights).sum(1) / weights.sum(1).clamp(min=1)
+
+
+class Transformer(ScratchFamily):
+    name = "transformer"
+    encoder = TransformerEncoder
+    prunes_embedding_dims = False  # the residual width stays: heads and feed-forward units go
+
+    def prune_encoder(self, sd, p, cfg, ref, amount, dims, new, update):
+        """Attention heads ranked by the L2 norm of their q/k/v rows and output columns, feed-forward units by the
+        product of their input and output norms."""
+        hd = cfg.head_dim or cfg.embed_dim // cfg.num_heads
+        ref_ffn = ref.ffn_dim or 4 * ref.embed_dim
+        n_heads, n_ffn = _keep(ref.num_heads, amount), _keep(ref_ffn, amount)
+        for layer in range(cfg.num_layers):
+            q = f"{p}layers.{layer}."
+            qkv, qkv_b, out = sd[q + "qkv.weight"], sd[q + "qkv.bias"], sd[q + "out.weight"]
+            a = cfg.num_heads * hd
+            head_score = (qkv.view(3, cfg.num_heads, hd, -1).pow(2).sum((0, 2, 3))
+                          + out.view(-1, cfg.num_heads, hd).pow(2).sum((0, 2))).sqrt()
+            heads = _top(head_score, n_heads)
+            cols = (heads[:, None] * hd + torch.arange(hd)[None, :]).flatten()  # the kept heads' columns
+            rows = _rows(cols, a, 3)
+            new[q + "qkv.weight"], new[q + "qkv.bias"], new[q + "out.weight"] = qkv[rows], qkv_b[rows], out[:, cols]
+            ff1, ff1_b, ff2 = sd[q + "ff1.weight"], sd[q + "ff1.bias"], sd[q + "ff2.weight"]
+            units = _top(ff1.norm(dim=1) * ff2.norm(dim=0), n_ffn)
+            new[q + "ff1.weight"], new[q + "ff1.bias"], new[q + "ff2.weight"] = ff1[units], ff1_b[units], ff2[:, units]
+        update.update(num_heads=n_heads, head_dim=hd, ffn_dim=n_ffn)
+        return torch.arange(cfg.embed_dim)

@@ -1,0 +1,138 @@
+"""The pretrained family on tiny encoders built here (no hub): the model's own tokenizer in preprocessing, a pad id
+other than 0, checkpoints that rebuild without the original folder, serving with the tokenizer inside, the offline
+error, and a whole run under torchrun with 2 processes."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import build_tiny_bert, sentiment_rows, write_csv
+from training.data.prepare import prepare_dataset
+from training.evaluate import open_split, predict_proba
+from training.models import family
+from training.presets import preset
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _config(source: Path, dataset: Path, max_len: int = 24):
+    cfg = preset("tiny", "pretrained")
+    return cfg.model_copy(update={
+        "data": cfg.data.model_copy(update={"dataset": str(dataset), "max_samples": None}),
+        "preprocess": cfg.preprocess.model_copy(update={"max_len": max_len}),
+        "model": cfg.model.model_copy(update={"pretrained": str(source)}),
+    })
+
+
+@pytest.fixture(scope="module")
+def reviews(tmp_path_factory) -> Path:
+    return write_csv(tmp_path_factory.mktemp("data") / "reviews.csv", sentiment_rows(40))
+
+
+def test_preprocessing_stores_the_tokenizers_ids_with_its_pad_id_and_counts_cut_texts(tiny_roberta_pad_last, reviews, tmp_path):
+    cfg = _config(tiny_roberta_pad_last, reviews, max_len=12)
+    manifest = prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "p", tokenizer=str(tiny_roberta_pad_last))
+    tok = manifest["tokenizer"]
+    assert tok["pad_id"] == tok["vocab_size"] - 1 != 0  # the pad token at the last id, read from the tokenizer
+    assert tok["max_len"] == 12 and tok["truncated"]["train"] == manifest["splits"]["train"]["n"]  # all longer than 12
+    ids = np.load(tmp_path / "p" / "train.tokens_ids.npy")
+    offsets = np.load(tmp_path / "p" / "train.tokens_offsets.npy")
+    assert (np.diff(offsets) == 12).all()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "p" / "tokenizer")  # saved beside the ids
+    first = ids[offsets[0]:offsets[1]].tolist()
+    assert first[0] == tokenizer.cls_token_id and first[-1] == tokenizer.sep_token_id  # cut, the end token kept
+
+    fam = family("pretrained")
+    sizes = fam.sizes(manifest, cfg.model, 12)
+    split = open_split(tmp_path / "p", "val", cfg.model, 12, sizes)
+    short = ({"tokens": torch.tensor([tokenizer.cls_token_id, 5, tokenizer.sep_token_id])}, 0)
+    batch, labels = split.collate([split[0], short])
+    assert batch["input_ids"][1, 3:].eq(tok["pad_id"]).all() and batch["attention_mask"][1].tolist() == [1] * 3 + [0] * 9
+
+
+def test_two_tokenizers_never_share_a_prepared_folder(tiny_bert, tiny_roberta_pad_last, reviews):
+    from tasks.preprocess import preprocess_key
+
+    cfg = _config(tiny_bert, reviews)
+    keys = {preprocess_key(cfg.data, cfg.preprocess, cfg.augment, t) for t in (None, str(tiny_bert), str(tiny_roberta_pad_last))}
+    assert len(keys) == 3
+
+
+@pytest.mark.parametrize("fixture", ["tiny_bert", "tiny_roberta_pad_last"])
+def test_a_checkpoint_rebuilds_without_the_original_folder_and_padding_changes_nothing(fixture, request, reviews, tmp_path):
+    source = request.getfixturevalue(fixture)
+    cfg = _config(source, reviews)
+    manifest = prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "p", tokenizer=str(source))
+    fam = family("pretrained")
+    sizes = fam.sizes(manifest, cfg.model, 24)
+    torch.manual_seed(0)
+    model = fam.build(cfg.model, sizes, 2).eval()
+    state = {"sizes": sizes, "model": model.state_dict()}
+    rebuilt = fam.build(cfg.model, fam.checkpoint_sizes(state), 2).eval()  # from the config it carries: no from_pretrained
+    rebuilt.load_state_dict(state["model"])
+    split = open_split(tmp_path / "p", "test", cfg.model, 24, sizes)
+    assert np.allclose(predict_proba(model, split, 4), predict_proba(rebuilt, split, 4), atol=1e-6)
+    one = [split[0]]
+    padded = [split[0], ({"tokens": split[0][0]["tokens"][:3]}, 0)]  # a shorter text in the batch: more padding
+    alone = model(split.collate(one)[0])
+    together = model(split.collate(padded)[0])[:1]
+    assert torch.allclose(alone, together, atol=1e-5)
+
+
+def _zhflow(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).with_name("zhflow")), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "ZHFLOW_HOME": str(cwd / "home"), **(env or {})})
+
+
+def test_a_hub_id_that_cannot_be_fetched_is_one_clear_line_and_nothing_is_recorded(tmp_path):
+    started = time.monotonic()
+    out = _zhflow(["run", "--preset", "tiny", "--pretrained", "hfl/not-a-cached-model"], tmp_path,
+                  env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "MLFLOW_TRACKING_URI": ""})
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zhflow: error: model.pretrained: 'hfl/not-a-cached-model'"), out.stderr
+    assert "HF_HOME" in lines[0] and "local folder" in lines[0] and "Traceback" not in out.stderr
+    assert time.monotonic() - started < 60
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "home").exists()  # no run, no prepared data
+    missing = _zhflow(["run", "--preset", "tiny", "--pretrained", str(tmp_path / "nope")], tmp_path)
+    assert missing.returncode == 2 and "no such folder" in missing.stderr
+
+
+@pytest.mark.slow
+def test_fine_tuning_a_local_checkpoint_with_two_processes_registers_and_serves(tiny_bert, reviews, tmp_path):
+    """`zhflow run --pretrained FOLDER` end to end: 2 DDP processes on gloo, evaluation, registration; the served model
+    carries the tokenizer (no jieba needed for it) and predicts what the model predicts in-process."""
+    out = tmp_path / "summary.json"
+    run = _zhflow(["run", "--preset", "tiny", "--pretrained", str(tiny_bert), "--dataset", str(reviews), "--nproc", "2",
+                   "--set", "data.max_samples=null", "--set", "train.lr=1e-3", "--set", "train.epochs=15", "--set", "train.batch_size=8",
+                   "--set", "train.patience=15", "--set", "preprocess.max_len=24", "--set", "select.candidates=neural",
+                   "--json-out", str(out)], tmp_path, env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+                  timeout=1200)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    summary = json.loads(out.read_text())
+    assert summary["selected"] == "neural"
+    assert summary["metrics"]["test_macro_f1"] > 0.8  # templated reviews: a model that learned nothing scores ~0.33-0.5
+
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    try:
+        model = mlflow.pyfunc.load_model(summary["model"]["uri"])
+        texts = ["这本书非常好看，值得一读", "质量太差了，很失望"]
+        served = model.predict(texts)
+        assert served["label"].tolist() == ["positive", "negative"]
+        classifier = model.unwrap_python_model()
+        assert classifier.encoder.__class__.__name__ == "TokenizerEncoder"
+        direct = classifier.predict_proba(texts)
+        assert np.allclose(served[["prob_negative", "prob_positive"]].to_numpy(), direct, atol=1e-6)
+    finally:
+        mlflow.set_tracking_uri(None)
