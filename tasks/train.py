@@ -32,6 +32,8 @@ def launch_worker(stage: str, config: PipelineConfig, prepared: dict, run_id: st
         return {**result, "run_id": run_id}
     mlflow.log_artifact(result["best_checkpoint"], "checkpoint")
     mlflow.log_artifact(result["best_checkpoint"] + ".json", "checkpoint")
+    if result.get("export_dir"):  # the family's own layout (save_pretrained), to load outside zhflow
+        mlflow.log_artifacts(result["export_dir"], "export")
     mlflow.set_tags({"restarts": str(result["restarts"]), "stopped_early": str(result["stopped_early"]).lower(),
                      "stop_reason": result["stop_reason"], "still_improving": str(result["still_improving"]).lower(),
                      "torchrun": "nnodes={} nproc_per_node={}".format(train_cfg.nnodes, nproc)})

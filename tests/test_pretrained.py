@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import build_tiny_bert, sentiment_rows, write_csv
+from tests.conftest import sentiment_rows, write_csv
 from training.data.prepare import prepare_dataset
 from training.evaluate import open_split, predict_proba
 from training.models import family
@@ -113,8 +113,9 @@ def test_fine_tuning_a_local_checkpoint_with_two_processes_registers_and_serves(
     carries the tokenizer (no jieba needed for it) and predicts what the model predicts in-process."""
     out = tmp_path / "summary.json"
     run = _zhflow(["run", "--preset", "tiny", "--pretrained", str(tiny_bert), "--dataset", str(reviews), "--nproc", "2",
-                   "--set", "data.max_samples=null", "--set", "train.lr=1e-3", "--set", "train.epochs=15", "--set", "train.batch_size=8",
-                   "--set", "train.patience=15", "--set", "preprocess.max_len=24", "--set", "select.candidates=neural",
+                   "--set", "data.max_samples=null", "--set", "train.lr=2e-3", "--set", "train.epochs=20", "--set", "train.batch_size=8",
+                   "--set", "train.patience=20", "--set", "train.schedule=constant", "--set", "prune.amount=0.3",
+                   "--set", "prune.finetune_epochs=3", "--set", "prune.finetune_lr=2e-3", "--set", "preprocess.max_len=24", "--set", "select.candidates=neural",
                    "--json-out", str(out)], tmp_path, env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"},
                   timeout=1200)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
@@ -134,5 +135,84 @@ def test_fine_tuning_a_local_checkpoint_with_two_processes_registers_and_serves(
         assert classifier.encoder.__class__.__name__ == "TokenizerEncoder"
         direct = classifier.predict_proba(texts)
         assert np.allclose(served[["prob_negative", "prob_positive"]].to_numpy(), direct, atol=1e-6)
+
+        # the trained model as a save_pretrained folder: transformers loads it outside zhflow, with the label names
+        from mlflow.tracking import MlflowClient
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        client = MlflowClient()
+        parent = client.get_run(summary["parent_run_id"])
+        (train,) = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}' "
+                                                                    "and tags.`zhflow.stage` = 'train'")
+        folder = Path(mlflow.artifacts.download_artifacts(run_id=train.info.run_id, artifact_path="export", dst_path=str(tmp_path)))
+        assert (folder / "model.safetensors").is_file() and not list(folder.glob("*.bin"))
+        hf = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        assert hf.config.id2label == {0: "negative", 1: "positive"}
+        with torch.no_grad():
+            logits = hf(**tokenizer(["这本书非常好看，值得一读"], return_tensors="pt")).logits
+        assert hf.config.id2label[int(logits.argmax())] == "positive"
     finally:
         mlflow.set_tracking_uri(None)
+
+
+def test_precision_settings_and_gradient_checkpointing(tiny_bert, reviews, tmp_path):
+    from training.config import ConfigError
+    from training.evaluate import autocast_dtype
+    from training.models import build_model
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert autocast_dtype("auto", cpu) is None and autocast_dtype("auto", cuda) == torch.bfloat16
+    assert autocast_dtype("bf16", cpu) == torch.bfloat16 and autocast_dtype("fp32", cuda) is None
+    with pytest.raises(ConfigError, match="train.precision: fp16 needs a CUDA device"):
+        autocast_dtype("fp16", cpu)
+
+    cfg = _config(tiny_bert, reviews)
+    manifest = prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "p", tokenizer=str(tiny_bert))
+    fam = family("pretrained")
+    model = fam.build(cfg.model, fam.sizes(manifest, cfg.model, 24), 2)
+    fam.enable_gradient_checkpointing(model, cfg.model)
+    assert model.model.is_activation_checkpointing
+
+    # the scratch transformer: the same loss and gradients with and without checkpointing
+    small = preset("tiny", "transformer").model.model_copy(update={"dropout": 0.0})
+    torch.manual_seed(0)
+    plain = build_model(small, 40, 2)
+    checked = build_model(small, 40, 2)
+    checked.load_state_dict(plain.state_dict())
+    family("transformer").enable_gradient_checkpointing(checked, small)
+    batch = {"word": torch.randint(1, 40, (3, 7))}
+    for m in (plain, checked):
+        m.train()
+        torch.nn.functional.cross_entropy(m(batch), torch.tensor([0, 1, 1])).backward()
+    for (name, a), b in zip(plain.named_parameters(), checked.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), name
+    with pytest.raises(ConfigError, match="train.gradient_checkpointing: the textcnn family"):
+        family("textcnn").enable_gradient_checkpointing(build_model(preset("tiny").model, 40, 2), preset("tiny").model)
+
+
+@pytest.mark.slow
+def test_two_processes_in_bf16_with_gradient_checkpointing_resume_after_a_killed_rank(tiny_roberta_pad_last, reviews, tmp_path):
+    """RoBERTa (pad id not 0) under torchrun: bf16 autocast on CPU, gradient checkpointing, rank 1 killed mid-epoch 2;
+    the group restarts, resumes from epoch 1 and still learns the task."""
+    from tests.test_worker_ddp import _cmd, _env, _run
+    from training.checkpoint import load_checkpoint
+    from training.events import read_result
+    from training.job import WorkerJob
+
+    cfg = _config(tiny_roberta_pad_last, reviews)
+    prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "p", tokenizer=str(tiny_roberta_pad_last))
+    train = cfg.train.model_copy(update={"epochs": 16, "patience": 16, "batch_size": 8, "lr": 2e-3, "schedule": "constant", "precision": "bf16",
+                                         "gradient_checkpointing": True, "max_restarts": 1, "log_every": 1})
+    job = WorkerJob(stage="train", prepared_dir=str(tmp_path / "p"), out_dir=str(tmp_path / "out"), model=cfg.model,
+                    train=train, max_len=24)
+    out = _run(_cmd(job, tmp_path), _env(ZHFLOW_TEST_KILL_AT_STEP="6", ZHFLOW_TEST_KILL_ONCE_FILE=str(tmp_path / "killed")),
+               timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (tmp_path / "killed").exists() and "after epoch 1 (restart 1)" in out.stdout
+    result = read_result(tmp_path / "out")
+    assert result["world_size"] == 2 and result["restarts"] == 1 and result["epochs_run"] == 16
+    assert result["best_val_macro_f1"] > 0.8
+    state = load_checkpoint(result["best_checkpoint"])
+    assert state["sizes"]["pad_id"] != 0 and "pretrained" in state["sizes"]  # rebuilt without the folder on load
+    assert Path(result["export_dir"], "config.json").is_file()

@@ -181,6 +181,16 @@ class TrainConfig(_Section):
                     "cosine, constant), or of the first epoch's steps (plateau).",
     )
     grad_accum: int = Field(1, ge=1, le=1024, title="Gradient accumulation", description="Batches per optimiser step.")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", title="Precision",
+        description="Autocast of the forward pass: bf16 (on CPU as on CUDA; CPUs with AMX or AVX-512 bf16 run it much "
+                    "faster), fp16 with a gradient scaler (CUDA only), or fp32. auto: bf16 on CUDA, fp32 on CPU.",
+    )
+    gradient_checkpointing: bool = Field(
+        False, title="Gradient checkpointing",
+        description="Recompute each layer's activations in the backward pass instead of keeping them: less memory, "
+                    "about a third more compute (pretrained and transformer families).",
+    )
     label_smoothing: float = Field(0.0, ge=0, lt=1, title="Label smoothing", description="Cross-entropy label smoothing.")
     class_weights: Literal["none", "balanced"] = Field(
         "none", title="Class weights", description="Weight the loss by inverse class frequency (imbalanced data)."

@@ -19,19 +19,37 @@ def predict_proba(
     batch_size: int,
     device: torch.device = torch.device("cpu"),
     indices: Sequence[int] | None = None,
+    precision: str = "auto",
 ) -> np.ndarray:
-    """Class probabilities, one row per text (of ``indices`` when given), in order."""
+    """Class probabilities, one row per text (of ``indices`` when given), in order; the forward pass under
+    ``precision`` (``train.precision``)."""
     data = dataset if indices is None else Subset(dataset, list(indices))
     loader = DataLoader(data, batch_size=batch_size, shuffle=False, collate_fn=dataset.collate)
     was_training = model.training
     model.eval()
     out = []
     for inputs, _ in loader:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        with autocast(precision, device):
             logits = model(to_device(inputs, device))
         out.append(torch.softmax(logits.float(), dim=1).cpu().numpy())
     model.train(was_training)
     return np.concatenate(out) if out else np.zeros((0, 0), dtype=np.float32)
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast type of ``train.precision`` on ``device`` (None: fp32)."""
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    if precision == "fp16" and device.type != "cuda":
+        from training.config import ConfigError
+
+        raise ConfigError("train.precision: fp16 needs a CUDA device (its gradient scaler is CUDA's); use bf16 on a CPU")
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def autocast(precision: str, device: torch.device):
+    dtype = autocast_dtype(precision, device)
+    return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
 def open_split(prepared_dir, split: str, model_cfg, max_len: int, sizes: dict | None = None) -> EncodedSplit:

@@ -32,7 +32,7 @@ from training import distributed
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.data.dataset import to_device
 from training.data.prepare import load_manifest
-from training.evaluate import open_split, predict_proba
+from training.evaluate import autocast, autocast_dtype, open_split, predict_proba
 from training.events import EVENTS_FILE, EventWriter
 from training.job import WorkerJob
 from training.models import family_of
@@ -133,6 +133,10 @@ class Trainer:
         model = self.family.build(job.model, self.sizes, self.num_classes)
         if init:
             model.load_state_dict(init["model"])
+        if job.train.gradient_checkpointing:
+            self.family.enable_gradient_checkpointing(model, job.model)
+        fp16 = autocast_dtype(job.train.precision, info.device) == torch.float16
+        self.scaler = torch.amp.GradScaler(info.device.type, enabled=fp16)  # fp16: losses scaled, overflow steps skipped
         if job.keep_sparsity:
             for module, name in prunable_weights(model, include_embedding=True):
                 torch_prune.custom_from_mask(module, name, getattr(module, name) != 0)
@@ -177,6 +181,8 @@ class Trainer:
         self.raw_model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
         self.epoch, self.step = state["epoch"], state["step"]
         self.best_epoch, self.bad_epochs = state["best_epoch"], state["bad_epochs"]
         if "best" in state:
@@ -192,7 +198,7 @@ class Trainer:
             "model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(), "epoch": self.epoch, "step": self.step,
             "best": self.best, "best_epoch": self.best_epoch, "bad_epochs": self.bad_epochs,
-            "improving_at_end": self.improving_at_end,
+            "improving_at_end": self.improving_at_end, "scaler": self.scaler.state_dict(),
         }, epoch=self.epoch, step=self.step)
 
     def _save_best(self, metrics: dict) -> None:
@@ -202,6 +208,13 @@ class Trainer:
             "sizes": self.sizes, "num_classes": self.num_classes, "max_len": self.job.max_len,
             "epoch": self.epoch, "step": self.step, "metrics": metrics,
         }, epoch=self.epoch, step=self.step)
+
+    def _export(self) -> str | None:
+        """The best model in its family's standard layout (a pretrained encoder's save_pretrained folder), if any."""
+        state = load_checkpoint(self.out / "best.pt")
+        model = self.family.build(self.job.model, self.family.checkpoint_sizes(state), self.num_classes)
+        model.load_state_dict(state["model"])
+        return self.family.export(model, self.out / "export", self.job.prepared_dir, load_manifest(self.job.prepared_dir)["labels"])
 
     # ---- the loop -------------------------------------------------------------
     def print(self, msg: str) -> None:
@@ -230,16 +243,18 @@ class Trainer:
             # DDP: all-reduce gradients only on the micro-batch that steps the optimiser
             sync = self.model.no_sync() if self.info.ddp and not last_micro else contextlib.nullcontext()
             with sync:
-                with torch.autocast(self.info.device.type, dtype=torch.bfloat16, enabled=self.info.device.type == "cuda"):
+                with autocast(t.precision, self.info.device):
                     logits = self.model(inputs).float()
                 loss = F.cross_entropy(logits, labels, weight=self.class_weights, label_smoothing=t.label_smoothing)
-                (loss / t.grad_accum).backward()
+                self.scaler.scale(loss / t.grad_accum).backward()
             window = loss.detach() if window is None else window + loss.detach()
             in_window += 1
             if last_micro:
+                self.scaler.unscale_(self.optimizer)  # clipping sees the true gradients (a no-op without fp16)
                 if t.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
-                self.optimizer.step()
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.step += 1
@@ -276,7 +291,7 @@ class Trainer:
 
     def _validate_all(self) -> dict:
         mine = list(range(self.info.rank, len(self.val_set), self.info.world_size))
-        probs = predict_proba(self.raw_model, self.val_set, 256, self.info.device, mine)
+        probs = predict_proba(self.raw_model, self.val_set, 256, self.info.device, mine, self.job.train.precision)
         parts = distributed.all_gather_objects((mine, probs), self.info)
         idx = np.concatenate([np.asarray(p[0], dtype=np.int64) for p in parts])
         all_probs = np.concatenate([p[1] for p in parts if len(p[1])])
@@ -336,6 +351,8 @@ class Trainer:
                   "stop_reason": stop_reason, "still_improving": still_improving,
                   "stopped_early": stop_reason != "max_epochs", "world_size": self.info.world_size, "restarts": self.restarts,
                   "resumed_after_epoch": self.resumed_after_epoch, "epoch_samples_per_second": self.epoch_rates}
+        if self.info.is_main and self.best is not None:
+            result["export_dir"] = self._export()
         self.log.add(self.step, best_val_macro_f1=best_f1, best_epoch=self.best_epoch)
         self.log.set_tag("stop_reason", stop_reason)
         self.log.set_tag("still_improving", str(still_improving).lower())

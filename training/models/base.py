@@ -63,6 +63,17 @@ class Family:
         """The sizes of a saved checkpoint (``build``'s argument), including checkpoints of earlier zhflow versions."""
         return state["sizes"]
 
+    def enable_gradient_checkpointing(self, model: nn.Module, cfg: ModelConfig) -> None:
+        """Recompute activations in the backward pass (``train.gradient_checkpointing``)."""
+        from training.config import ConfigError
+
+        raise ConfigError(f"train.gradient_checkpointing: the {self.name} family has no layers to checkpoint; it "
+                          "saves memory for the pretrained and transformer families")
+
+    def export(self, model: nn.Module, out_dir: Path, prepared_dir: str | Path, labels: list[str]) -> str | None:
+        """Write the model in its family's standard layout, for use outside zhflow (None: the family has none)."""
+        return None
+
     def requirements(self) -> list[str]:
         """Packages the served model needs beyond zhflow's own (pinned to the installed versions at registration)."""
         return []

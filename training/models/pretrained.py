@@ -210,8 +210,27 @@ class Pretrained(Family):
         raise ConfigError("prune.method: structured pruning of the pretrained family is not available yet; use "
                           "global_unstructured or l1_unstructured")
 
+    def enable_gradient_checkpointing(self, model, cfg) -> None:
+        # non-reentrant: works under DDP and with inputs that need no gradient
+        model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
     def requirements(self) -> list[str]:
         return ["transformers", "tokenizers", "safetensors"]
+
+    def export(self, model, out_dir, prepared_dir, labels):
+        """A ``save_pretrained`` folder (safetensors weights, config with the label names, tokenizer) that
+        ``AutoModelForSequenceClassification.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load."""
+        import shutil
+
+        hf = model.model
+        hf.config.id2label = dict(enumerate(labels))
+        hf.config.label2id = {label: i for i, label in enumerate(labels)}
+        out_dir = Path(out_dir)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        with _quiet():
+            hf.save_pretrained(out_dir)
+        shutil.copytree(Path(prepared_dir) / TOKENIZER_DIR, out_dir, dirs_exist_ok=True)
+        return str(out_dir)
 
     def served_artifacts(self, prepared_dir) -> dict[str, str]:
         return {"tokenizer": str(Path(prepared_dir) / TOKENIZER_DIR)}

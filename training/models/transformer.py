@@ -11,6 +11,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from training.config import ModelConfig
@@ -54,6 +55,7 @@ class TransformerEncoder(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab_size: int, max_positions: int):
         super().__init__()
         self.max_positions = max_positions  # the input's length limit: no position the model can never see
+        self.checkpointing = False  # train.gradient_checkpointing
         self.embedding = make_embedding(vocab_size, cfg.embed_dim)
         if cfg.positions == "learned":
             self.positions = nn.Embedding(max_positions, cfg.embed_dim)
@@ -77,7 +79,10 @@ class TransformerEncoder(nn.Module):
         attend = mask.clone()
         attend[:, 0] |= ~mask.any(1)
         for layer in self.layers:
-            x = layer(x, attend)
+            if self.checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(layer, x, attend, use_reentrant=False)
+            else:
+                x = layer(x, attend)
         x = self.norm(x)
         weights = mask.unsqueeze(-1).float()
         return (x * weights).sum(1) / weights.sum(1).clamp(min=1)
@@ -87,6 +92,10 @@ class Transformer(ScratchFamily):
     name = "transformer"
     encoder = TransformerEncoder
     prunes_embedding_dims = False  # the residual width stays: heads and feed-forward units go
+
+    def enable_gradient_checkpointing(self, model, cfg) -> None:
+        for encoder in model.encoders.values():
+            encoder.checkpointing = True
 
     def prune_encoder(self, sd, p, cfg, ref, amount, dims, new, update):
         """Attention heads ranked by the L2 norm of their q/k/v rows and output columns, feed-forward units by the
