@@ -22,6 +22,7 @@ from training.job import WorkerJob
 from training.presets import preset
 from training.data.prepare import prepare_dataset
 from training.evaluate import load_model, open_split, split_macro_f1
+from training.models import family_of
 from training.measure import latency
 from training.prune import prune, sparsity
 from training.events import read_result
@@ -80,7 +81,8 @@ def run(quick: bool, repeats: int) -> str:
                 model, model_cfg, state = load_model(checkpoint)
                 model, small = prune(model, model_cfg, method, round_amount, cfg.prune.include_embedding, reference=cfg.model)
                 out = tmp / f"{method}-{amount}-{rounds}" / str(round_no)
-                save_checkpoint(out / "pruned.pt", {**state, "model": model.state_dict(), "model_config": small.model_dump()})
+                save_checkpoint(out / "pruned.pt", {**state, "model": model.state_dict(), "model_config": small.model_dump(),
+                                                     "sizes": family_of(small).sizes_of(model, state["sizes"])})
                 checkpoint = _worker(WorkerJob(stage="finetune", model=small, train=finetune, out_dir=str(out),
                                                init_checkpoint=str(out / "pruned.pt"), keep_sparsity=method != "structured", **base),
                                      out)["best_checkpoint"]

@@ -19,7 +19,7 @@ from training.config import ExperimentName, PipelineConfig
 from training.models import check_model
 from training.presets import PresetName, on_preset
 from training.paths import check_config_paths, check_space_paths
-from training.sweep import DEFAULT_SPACE, check_space, grid
+from training.sweep import check_space, default_space, grid
 from flows.pipeline import choose_candidate
 from tasks.baseline import baseline_model
 from tasks.evaluate import evaluate_model
@@ -55,7 +55,7 @@ def sweep(
         trials: Trials to run in this call (a continued study adds them to its earlier ones).
         sampler: tpe (Bayesian), random, or grid (every combination of the space's choices).
         pruner: Stops a trial whose validation macro-F1 falls behind: median of the finished trials at the same epoch, or successive halving.
-        space: Settings to search, e.g. {"train.lr": {"low": 0.0003, "high": 0.003, "log": true}}. Empty: the built-in space.
+        space: Settings to search, e.g. {"train.lr": {"low": 0.0003, "high": 0.003, "log": true}}. Empty: the built-in space (for the pretrained family: learning rate, batch size, warm-up, epochs, weight decay).
         parallel: Trials run at once; each gets its share of the CPU cores, or its own GPU(s) on a GPU machine.
         study: Optuna study name; running again with the same name continues that study. Empty: a new study.
         seed: Seed of the sampler: with parallel 1, the same seed and space give the same suggestions.
@@ -71,7 +71,7 @@ def sweep(
     config = on_preset(config, preset)
     check_config_paths(config)  # a path from the form may not leave the allowed folders
     check_model(config.model)  # a pretrained checkpoint that cannot be loaded: refused before any run is opened
-    space = check_space(space or DEFAULT_SPACE)
+    space = check_space(space or default_space(config))
     check_space_paths(space)  # a file setting searched over: its every choice is checked too
     if sampler == "grid":
         trials = min(trials, math.prod(len(values) for values in grid(space).values()))

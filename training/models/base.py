@@ -26,6 +26,7 @@ class Family:
     """One model family. Subclasses set ``name`` and implement the methods below."""
 
     name: ClassVar[str]
+    sweep_space: ClassVar[dict | None] = None  # a sweep's built-in space from this family (None: training.sweep's)
 
     def inputs(self, cfg: ModelConfig) -> tuple[str, ...]:
         """The prepared inputs the model reads (names of ``training.data.dataset.FILES``)."""
@@ -58,6 +59,10 @@ class Family:
                          reference: ModelConfig) -> tuple[nn.Module, ModelConfig]:
         """A smaller model of the family, the ``amount`` share of ``reference``'s units removed (training.prune)."""
         raise NotImplementedError
+
+    def sizes_of(self, model: nn.Module, sizes: dict) -> dict:
+        """The sizes of ``model`` after structured pruning (saved with the pruned checkpoint); ``sizes``: before."""
+        return sizes
 
     def checkpoint_sizes(self, state: dict) -> dict:
         """The sizes of a saved checkpoint (``build``'s argument), including checkpoints of earlier zhflow versions."""

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from training.config import ConfigError, ModelConfig
-from training.models.base import Family, TextEncoder
+from training.models.base import Family, TextEncoder, _keep, _top
 
 TOKENIZER_DIR = "tokenizer"  # in the prepared folder: the tokenizer the ids were made with
 ROBERTA_LIKE = ("roberta", "xlm-roberta", "camembert")  # positions start after the pad id
@@ -166,6 +166,13 @@ class PretrainedClassifier(nn.Module):
 
 class Pretrained(Family):
     name = "pretrained"
+    sweep_space = {  # fine-tuning: the settings that matter there (the checkpoint is the user's choice)
+        "train.lr": {"low": 1e-5, "high": 1e-4, "log": True},
+        "train.batch_size": {"choices": [16, 32]},
+        "train.warmup_ratio": {"choices": [0.0, 0.06, 0.1]},
+        "train.epochs": {"low": 2, "high": 5},
+        "train.weight_decay": {"choices": [0.0, 0.01]},
+    }
 
     def inputs(self, cfg: ModelConfig) -> tuple[str, ...]:
         return ("tokens",)
@@ -196,6 +203,9 @@ class Pretrained(Family):
                 hf = dict(sizes["hf_config"])
                 config = AutoConfig.for_model(hf.pop("model_type"), **(hf | {"num_labels": num_classes}))
                 model = AutoModelForSequenceClassification.from_config(config)
+                if sizes.get("kept"):  # a structurally pruned checkpoint: its layers' shapes, before its weights load
+                    shrink(model, [torch.arange(n) for n in sizes["kept"]["heads"]],
+                           [torch.arange(n) for n in sizes["kept"]["units"]])
         return PretrainedClassifier(model)
 
     def checkpoint_sizes(self, state: dict) -> dict:
@@ -207,8 +217,24 @@ class Pretrained(Family):
         return partial(pad_tokens, pad_id=sizes["pad_id"])
 
     def structured_prune(self, model, cfg, amount, include_embedding, reference):
-        raise ConfigError("prune.method: structured pruning of the pretrained family is not available yet; use "
-                          "global_unstructured or l1_unstructured")
+        """Attention heads and feed-forward units ranked by weight magnitude, the same share removed in every layer
+        (of the checkpoint's own counts, which shrinking never changes: amounts stay cumulative); the embeddings stay."""
+        import copy
+
+        hf = model.model
+        head_size = hf.config.hidden_size // hf.config.num_attention_heads
+        n_heads, n_units = _keep(hf.config.num_attention_heads, amount), _keep(hf.config.intermediate_size, amount)
+        keep_heads, keep_units = [], []
+        for layer in _layers(hf):
+            heads, units = head_and_unit_scores(layer, head_size)
+            keep_heads.append(_top(heads, n_heads))
+            keep_units.append(_top(units, n_units))
+        pruned = copy.deepcopy(model)
+        shrink(pruned.model, keep_heads, keep_units)
+        return pruned, cfg
+
+    def sizes_of(self, model, sizes: dict) -> dict:
+        return sizes | {"kept": kept_sizes(model.model)}
 
     def enable_gradient_checkpointing(self, model, cfg) -> None:
         # non-reentrant: works under DDP and with inputs that need no gradient
@@ -219,10 +245,13 @@ class Pretrained(Family):
 
     def export(self, model, out_dir, prepared_dir, labels):
         """A ``save_pretrained`` folder (safetensors weights, config with the label names, tokenizer) that
-        ``AutoModelForSequenceClassification.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load."""
+        ``AutoModelForSequenceClassification.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load. A model
+        pruned structurally keeps its smaller feed-forward width (``intermediate_size``); the layout has no per-layer
+        head count, so its removed heads are written as zeros (the same predictions; zhflow's own checkpoint and the
+        served model are the physically smaller ones)."""
         import shutil
 
-        hf = model.model
+        hf = _full_layout(model.model)
         hf.config.id2label = dict(enumerate(labels))
         hf.config.label2id = {label: i for i, label in enumerate(labels)}
         out_dir = Path(out_dir)
@@ -251,3 +280,96 @@ class TokenizerEncoder(TextEncoder):
         items = [({"tokens": torch.tensor(ids if len(ids) <= self.limit else ids[: self.limit - 1] + [ids[-1]])}, 0)
                  for ids in encoded]
         return pad_tokens(items, self.pad_id)[0]
+
+
+# ---- structured pruning: attention heads and feed-forward units -------------------------------------------------
+
+def _layers(hf: nn.Module) -> list:
+    """The encoder layers of a BERT-like model (BERT, RoBERTa, MacBERT, ELECTRA, ERNIE share the layout)."""
+    encoder = getattr(hf.base_model, "encoder", None)
+    layers = getattr(encoder, "layer", None)
+    if layers is None or not all(hasattr(l, "attention") and hasattr(l.attention, "self") and hasattr(l, "intermediate")
+                                 for l in layers):
+        raise ConfigError(f"prune.method: structured pruning knows the BERT layout (encoder.layer[i].attention.self, "
+                          f".intermediate, .output); {type(hf).__name__} has another one; use global_unstructured")
+    return list(layers)
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias is not None:
+            layer.bias.copy_(bias)
+    return layer.to(weight.dtype)
+
+
+def _slice(module: nn.Linear, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None) -> nn.Linear:
+    w, b = module.weight.detach(), module.bias.detach() if module.bias is not None else None
+    if rows is not None:
+        w, b = w[rows], b[rows] if b is not None else None
+    if cols is not None:
+        w = w[:, cols]
+    return _linear(w.clone(), b.clone() if b is not None else None)
+
+
+def head_and_unit_scores(layer, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-magnitude importance: a head by the L2 norm of its query, key and value rows and its output columns; a
+    feed-forward unit by the product of its input row's and output column's norms."""
+    attn, out = layer.attention.self, layer.attention.output.dense
+    qkv = torch.stack([attn.query.weight, attn.key.weight, attn.value.weight]).detach()  # (3, heads*size, hidden)
+    heads = qkv.shape[1] // head_size
+    head = (qkv.view(3, heads, head_size, -1).pow(2).sum((0, 2, 3))
+            + out.weight.detach().view(-1, heads, head_size).pow(2).sum((0, 2))).sqrt()
+    unit = layer.intermediate.dense.weight.detach().norm(dim=1) * layer.output.dense.weight.detach().norm(dim=0)
+    return head, unit
+
+
+def shrink(hf: nn.Module, keep_heads: list[torch.Tensor], keep_units: list[torch.Tensor]) -> None:
+    """Physically remove heads and units (transformers 5 has no ``prune_heads``): the projections are sliced and the
+    attention reads the number of heads from the width (``view(..., -1, head_size)``)."""
+    head_size = hf.config.hidden_size // hf.config.num_attention_heads
+    for layer, heads, units in zip(_layers(hf), keep_heads, keep_units):
+        attn = layer.attention.self
+        cols = (heads[:, None] * head_size + torch.arange(head_size)[None, :]).flatten()
+        attn.query, attn.key, attn.value = (_slice(m, rows=cols) for m in (attn.query, attn.key, attn.value))
+        attn.num_attention_heads, attn.all_head_size = len(heads), len(heads) * head_size
+        layer.attention.output.dense = _slice(layer.attention.output.dense, cols=cols)
+        layer.intermediate.dense = _slice(layer.intermediate.dense, rows=units)
+        layer.output.dense = _slice(layer.output.dense, cols=units)
+
+
+def kept_sizes(hf: nn.Module) -> dict:
+    """Heads and feed-forward units of every layer now (saved with the checkpoint, so that it rebuilds)."""
+    head_size = hf.config.hidden_size // hf.config.num_attention_heads
+    layers = _layers(hf)
+    return {"heads": [l.attention.self.query.out_features // head_size for l in layers],
+            "units": [l.intermediate.dense.out_features for l in layers]}
+
+
+def _full_layout(hf: nn.Module) -> nn.Module:
+    """``hf`` in a layout its config describes: every head (removed ones as zeros, which add nothing: zero query and
+    key rows give uniform attention over zero values, and zero output columns drop it), the widest feed-forward
+    width of its layers (narrower ones padded with zero units)."""
+    from transformers import AutoModelForSequenceClassification
+
+    kept = kept_sizes(hf)
+    if set(kept["heads"]) == {hf.config.num_attention_heads} and set(kept["units"]) == {hf.config.intermediate_size}:
+        return hf
+    import copy
+
+    config = copy.deepcopy(hf.config)
+    config.intermediate_size = max(kept["units"])
+    with _quiet():
+        full = AutoModelForSequenceClassification.from_config(config)
+    source = hf.state_dict()
+    state = {}
+    for key, target in full.state_dict().items():
+        value = source[key]
+        if value.shape != target.shape:  # the kept heads / units first, zeros after
+            padded = torch.zeros_like(target)
+            padded[tuple(slice(0, n) for n in value.shape)] = value
+            value = padded
+        state[key] = value
+    full.load_state_dict(state)
+    return full
