@@ -92,8 +92,9 @@ def run(quick: bool, repeats: int) -> str:
             scaling = med["worker, 2 processes (DDP)"] / med["worker, 1 process"]
             per_core = med["worker, 2 processes (DDP)"] / med["worker, 1 process, 1 thread"]
             findings.append(f"- {family}: worker / bare loop = {overhead:.2f} (target at least 0.9: {verdict(overhead >= 0.9)}); "
-                            f"2 processes / 1 process = {scaling:.2f}x (target at least 1.4: {verdict(scaling >= 1.4)}); "
-                            f"2 single-thread processes / 1 single-thread process = {per_core:.2f}x.")
+                            f"2 single-thread processes / 1 single-thread process = {per_core:.2f}x (target at least 1.7: "
+                            f"{verdict(per_core >= 1.7)}); 2 processes / 1 process with both cores' threads = {scaling:.2f}x "
+                            "(no target: on 2 cores one process already uses both).")
     n_train = manifest["splits"]["train"]["n"]
     return "\n".join([
         "## Training throughput",
@@ -109,7 +110,8 @@ def run(quick: bool, repeats: int) -> str:
         *findings,
         "",
         "On 2 cores one process already keeps both busy with intra-op threads, so a second process can only add "
-        "the all-reduce of every gradient (the embedding table dominates) on top of the same arithmetic; "
-        "the single-thread comparison shows what DDP itself scales.",
+        "the all-reduce of every gradient (the embedding table dominates) on top of the same arithmetic: that "
+        "comparison measures nothing about DDP. The target is on the single-thread comparison, which shows what DDP "
+        "itself scales.",
         "",
     ])
