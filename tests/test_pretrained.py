@@ -155,6 +155,24 @@ def test_fine_tuning_a_local_checkpoint_with_two_processes_registers_and_serves(
     finally:
         mlflow.set_tracking_uri(None)
 
+    # zhflow predict, zhflow evaluate and `mlflow models serve` on the registered (pruned) model
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    uri = f"models:/{summary['model']['name']}@champion"
+    predicted = _zhflow(["predict", "--model-uri", uri, "这本书非常好看，值得一读", "--json-out", str(tmp_path / "p.jsonl")], tmp_path, env)
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    assert json.loads((tmp_path / "p.jsonl").read_text(encoding="utf-8").splitlines()[0])["label"] == "positive"
+    evaluated = _zhflow(["evaluate", "--model-uri", uri, "--dataset", str(reviews), "--json-out", str(tmp_path / "e.json")],
+                        tmp_path, env)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert json.loads((tmp_path / "e.json").read_text())["metrics"]["test_macro_f1"] > 0.8
+    from tests.test_sweep import _serve_and_post
+
+    os.environ["MLFLOW_TRACKING_URI"] = env["MLFLOW_TRACKING_URI"]
+    try:
+        _serve_and_post(uri, tmp_path)
+    finally:
+        os.environ.pop("MLFLOW_TRACKING_URI")
+
 
 def test_precision_settings_and_gradient_checkpointing(tiny_bert, reviews, tmp_path):
     from training.config import ConfigError
@@ -266,3 +284,32 @@ def test_unstructured_pruning_reaches_the_family_model(tiny_bert, reviews, tmp_p
     model = fam.build(cfg.model, fam.sizes(manifest, cfg.model, 24), 2)
     model, _ = prune(model, cfg.model, "global_unstructured", 0.6)
     assert sparsity(model)["sparsity_prunable"] == pytest.approx(0.6, abs=0.01)
+
+
+def test_the_served_model_runs_in_bf16_only_where_it_agrees_with_fp32_and_pays(tiny_bert, reviews, tmp_path, monkeypatch):
+    import training.inference as inference
+    from training.inference import TextClassifier, serving_precision
+
+    cfg = _config(tiny_bert, reviews)
+    manifest = prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "p", tokenizer=str(tiny_bert))
+    fam = family("pretrained")
+    sizes = fam.sizes(manifest, cfg.model, 24)
+    model = fam.build(cfg.model, sizes, 2)
+    from training.checkpoint import save_checkpoint
+
+    save_checkpoint(tmp_path / "best.pt", {"model": model.state_dict(), "model_config": cfg.model.model_dump(),
+                                           "sizes": sizes, "num_classes": 2, "max_len": 24})
+    (tmp_path / "meta.json").write_text(json.dumps({"labels": manifest["labels"], "preprocess": cfg.preprocess.model_dump(),
+                                                    "kind": "neural", "weight": 1.0}))
+    artifacts = {"meta": str(tmp_path / "meta.json"), "checkpoint": str(tmp_path / "best.pt"),
+                 **fam.served_artifacts(tmp_path / "p")}
+    classifier = TextClassifier()
+    classifier.load_context(type("Ctx", (), {"artifacts": artifacts})())
+    texts = [t for t, _ in sentiment_rows(20)]
+    monkeypatch.setattr(inference, "cpu_has_bf16", lambda: False)
+    assert serving_precision(classifier, texts) == ("fp32", {})  # emulated bf16: never
+    monkeypatch.setattr(inference, "cpu_has_bf16", lambda: True)
+    chosen, checked = serving_precision(classifier, texts, min_speedup=0.0)
+    assert checked["serving_bf16_agreement"] >= 0.995 and chosen == "bf16" == classifier.precision
+    assert serving_precision(classifier, texts, min_speedup=1e9)[0] == "fp32"  # not faster: fp32
+    assert serving_precision(classifier, texts, min_agreement=1.01, min_speedup=0.0)[0] == "fp32"  # labels differ: fp32

@@ -186,6 +186,11 @@ class TrainConfig(_Section):
         description="Autocast of the forward pass: bf16 (on CPU as on CUDA; CPUs with AMX or AVX-512 bf16 run it much "
                     "faster), fp16 with a gradient scaler (CUDA only), or fp32. auto: bf16 on CUDA, fp32 on CPU.",
     )
+    compile: bool = Field(
+        False, title="torch.compile",
+        description="Compile the training model with torch.compile (inductor; a C++ compiler on CPU). The first steps "
+                    "pay for the compilation; BENCHMARKS.md says what it gives.",
+    )
     gradient_checkpointing: bool = Field(
         False, title="Gradient checkpointing",
         description="Recompute each layer's activations in the backward pass instead of keeping them: less memory, "

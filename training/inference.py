@@ -22,7 +22,7 @@ import torch
 
 from training.config import PreprocessConfig
 from training.data.vocab import UNK
-from training.evaluate import load_model
+from training.evaluate import autocast, load_model
 from training.linear import LinearModel
 from training.models import family_of
 from training.text.clean import normalizer
@@ -51,6 +51,7 @@ class TextClassifier(mlflow.pyfunc.PythonModel):
         self.labels: list[str] = meta["labels"]
         self.kind: str = meta.get("kind", "neural")
         self.weight: float = meta.get("weight", 1.0 if self.kind == "neural" else 0.0)
+        self.precision: str = meta.get("precision", "fp32")  # bf16 where the CPU runs it faster and it agrees with fp32
         # the user's dictionary and stop-word files travel as artifacts: point the settings at those copies
         files = {key: artifacts[key] for key in ("user_dict", "stopwords_file") if key in artifacts}
         self.pre = PreprocessConfig.model_validate(meta["preprocess"] | files)
@@ -85,7 +86,7 @@ class TextClassifier(mlflow.pyfunc.PythonModel):
             if self.model is not None:
                 if words is None and self.encoder.needs_words:
                     words = [self.segmenter.tokenize(c) for c in clean]
-                with torch.no_grad():
+                with torch.no_grad(), autocast(self.precision, torch.device("cpu")):
                     logits = self.model(self.encoder(clean, words))
                 probs = self.weight * torch.softmax(logits.float(), dim=1).numpy().astype(np.float64)
             if self.linear is not None:
@@ -117,3 +118,35 @@ def _as_texts(model_input) -> list[str]:
     else:
         raise TypeError(f"expected a column of strings, got {type(model_input).__name__}")
     return ["" if v is None else str(v) for v in values]
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AMX or AVX-512 bf16); elsewhere bf16 autocast is emulated and slow."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def serving_precision(classifier: TextClassifier, texts: list[str], min_agreement: float = 0.995,
+                      min_speedup: float = 1.1) -> tuple[str, dict[str, float]]:
+    """bf16 for the served neural model of a family that serves it (the pretrained one) when the CPU has it, its labels agree with fp32's on ``texts`` (at least
+    ``min_agreement``) and it is at least ``min_speedup`` faster on them; else fp32. The measurements, for MLflow."""
+    import time
+
+    if classifier.model is None or not texts or not family_of(classifier.model_cfg).serves_bf16 or not cpu_has_bf16():
+        return "fp32", {}
+    timings, probs = {}, {}
+    for precision in ("fp32", "bf16", "fp32", "bf16"):  # interleaved, the second round counts
+        classifier.precision = precision
+        started = time.perf_counter()
+        probs[precision] = classifier.predict_proba(texts, batch_size=64)
+        timings[precision] = time.perf_counter() - started
+    agreement = float((probs["fp32"].argmax(1) == probs["bf16"].argmax(1)).mean())
+    speedup = timings["fp32"] / timings["bf16"]
+    chosen = "bf16" if agreement >= min_agreement and speedup >= min_speedup else "fp32"
+    classifier.precision = chosen
+    return chosen, {"serving_bf16_agreement": agreement, "serving_bf16_speedup": speedup,
+                    "serving_bf16_max_prob_diff": float(np.abs(probs["fp32"] - probs["bf16"]).max())}

@@ -142,6 +142,8 @@ class Trainer:
                 torch_prune.custom_from_mask(module, name, getattr(module, name) != 0)
         self.raw_model = model.to(info.device)
         self.model = DDP(self.raw_model, device_ids=[info.local_rank] if info.device.type == "cuda" else None) if info.ddp else self.raw_model
+        if job.train.compile:  # the training forward only; validation and checkpoints use the plain module
+            self.model = torch.compile(self.model)
 
         self.train_set = open_split(job.prepared_dir, "train", job.model, job.max_len, self.sizes)
         self.val_set = open_split(job.prepared_dir, "val", job.model, job.max_len, self.sizes)

@@ -27,6 +27,7 @@ class Family:
 
     name: ClassVar[str]
     sweep_space: ClassVar[dict | None] = None  # a sweep's built-in space from this family (None: training.sweep's)
+    serves_bf16: ClassVar[bool] = False  # the served model may run in bf16 (training.inference.serving_precision)
 
     def inputs(self, cfg: ModelConfig) -> tuple[str, ...]:
         """The prepared inputs the model reads (names of ``training.data.dataset.FILES``)."""

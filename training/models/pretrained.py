@@ -166,6 +166,7 @@ class PretrainedClassifier(nn.Module):
 
 class Pretrained(Family):
     name = "pretrained"
+    serves_bf16 = True  # where the CPU has bf16 and the labels agree with fp32's (checked at registration)
     sweep_space = {  # fine-tuning: the settings that matter there (the checkpoint is the user's choice)
         "train.lr": {"low": 1e-5, "high": 1e-4, "log": True},
         "train.batch_size": {"choices": [16, 32]},
