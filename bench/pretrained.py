@@ -19,11 +19,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch.utils.data import DataLoader
 
 from bench import common
 from bench.common import Timing, quick_size, verdict
+from bench.training import bare_rate
 from training.data.prepare import prepare_dataset
 from training.evaluate import autocast, open_split, predict_proba
 from training.events import read_result
@@ -67,29 +66,6 @@ def _worker(prepared: Path, cfg, tmp: Path, threads: int, nproc: int = 1, **trai
            else [sys.executable]) + ["-m", "training.worker", "--config", str(out / "job.json")]
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return read_result(out)
-
-
-def _bare(prepared: Path, cfg, sizes: dict, threads: int, precision: str) -> float:
-    """The same model, batch, precision and threads in the plainest transformers loop (the last epoch's rate)."""
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    model = family("pretrained").build(cfg.model, sizes, 2).train()
-    data = open_split(prepared, "train", cfg.model, cfg.preprocess.max_len, sizes)
-    loader = DataLoader(data, batch_size=cfg.train.batch_size, shuffle=True, collate_fn=data.collate)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
-    rate = 0.0
-    for _ in range(EPOCHS):
-        started, seen = time.perf_counter(), 0
-        for inputs, labels in loader:
-            with autocast(precision, torch.device("cpu")):
-                logits = model(inputs).float()
-            loss = F.cross_entropy(logits, labels)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            seen += len(labels)
-        rate = seen / (time.perf_counter() - started)
-    return rate
 
 
 def _trainer(prepared: Path, cfg, source: Path, threads: int, precision: str, tmp: Path) -> float:
@@ -159,12 +135,12 @@ def run(quick: bool, repeats: int) -> str:
             "worker, 1 process, 1 thread", "worker, 2 processes (DDP), 1 thread each")}
         for _ in range(repeats):  # interleaved
             rates["worker, fp32"].append(_worker(prepared, cfg, tmp, threads, precision="fp32")["epoch_samples_per_second"][-1])
-            rates["bare transformers loop, fp32"].append(_bare(prepared, cfg, sizes, threads, "fp32"))
+            rates["bare transformers loop, fp32"].append(bare_rate(prepared, cfg, threads, "fp32"))
             rates["Hugging Face Trainer, fp32"].append(_trainer(prepared, cfg, source, threads, "fp32", tmp))
             rates["worker, fp32, torch.compile"].append(
                 _worker(prepared, cfg, tmp, threads, precision="fp32", compile=True)["epoch_samples_per_second"][-1])
             rates["worker, bf16"].append(_worker(prepared, cfg, tmp, threads, precision="bf16")["epoch_samples_per_second"][-1])
-            rates["bare transformers loop, bf16"].append(_bare(prepared, cfg, sizes, threads, "bf16"))
+            rates["bare transformers loop, bf16"].append(bare_rate(prepared, cfg, threads, "bf16"))
             rates["worker, 1 process, 1 thread"].append(_worker(prepared, cfg, tmp, 1, precision="fp32")["epoch_samples_per_second"][-1])
             rates["worker, 2 processes (DDP), 1 thread each"].append(
                 _worker(prepared, cfg, tmp, 1, nproc=2, precision="fp32")["epoch_samples_per_second"][-1])

@@ -17,7 +17,7 @@ from bench.common import Timing, quick_size, verdict
 from training.job import WorkerJob
 from training.presets import preset
 from training.data.prepare import load_manifest, prepare_dataset
-from training.evaluate import open_split
+from training.evaluate import autocast, open_split
 from training.models import family_of
 from training.events import read_result
 
@@ -41,10 +41,10 @@ def _worker_rate(prepared: Path, family: str, nproc: int, tmp: Path, threads: in
     return read_result(out)["epoch_samples_per_second"][-1]
 
 
-def _bare_rate(prepared: Path, family: str) -> float:
-    """The same model, batch and threads in the plainest loop: no DDP, no sampler, no logging, no validation."""
-    cfg = preset("default", family)
-    torch.set_num_threads(os.cpu_count() or 1)
+def bare_rate(prepared: Path, cfg, threads: int | None = None, precision: str = "fp32") -> float:
+    """The same model, batch, precision and threads in the plainest loop: no DDP, no sampler, no logging, no
+    validation (the last epoch's training samples/s)."""
+    torch.set_num_threads(threads or os.cpu_count() or 1)
     torch.manual_seed(0)
     manifest = load_manifest(prepared)
     family = family_of(cfg.model)
@@ -58,7 +58,9 @@ def _bare_rate(prepared: Path, family: str) -> float:
     for _ in range(EPOCHS):
         started, seen = time.perf_counter(), 0
         for inputs, labels in loader:
-            loss = F.cross_entropy(model(inputs), labels)
+            with autocast(precision, torch.device("cpu")):
+                logits = model(inputs).float()
+            loss = F.cross_entropy(logits, labels)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -80,7 +82,7 @@ def run(quick: bool, repeats: int) -> str:
             rates: dict[str, list[float]] = {"bare loop, 1 process": [], "worker, 1 process": [],
                                              "worker, 2 processes (DDP)": [], "worker, 1 process, 1 thread": []}
             for _ in range(repeats):  # interleaved: A B C D A B C D
-                rates["bare loop, 1 process"].append(_bare_rate(tmp / "prepared", family))
+                rates["bare loop, 1 process"].append(bare_rate(tmp / "prepared", preset("default", family)))
                 rates["worker, 1 process"].append(_worker_rate(tmp / "prepared", family, 1, tmp))
                 rates["worker, 2 processes (DDP)"].append(_worker_rate(tmp / "prepared", family, 2, tmp))
                 rates["worker, 1 process, 1 thread"].append(_worker_rate(tmp / "prepared", family, 1, tmp, threads=1))

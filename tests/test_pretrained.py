@@ -31,6 +31,16 @@ def _config(source: Path, dataset: Path, max_len: int = 24):
     })
 
 
+def _built(source: Path, reviews: Path, tmp_path: Path, max_len: int = 24):
+    """Settings, prepared folder (with the tokenizer's ids), family, sizes and a fresh model (seed 0) for ``source``."""
+    cfg = _config(source, reviews, max_len)
+    manifest = prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "p", tokenizer=str(source))
+    fam = family("pretrained")
+    sizes = fam.sizes(manifest, cfg.model, max_len)
+    torch.manual_seed(0)
+    return cfg, manifest, fam, sizes, fam.build(cfg.model, sizes, 2).eval()
+
+
 @pytest.fixture(scope="module")
 def reviews(tmp_path_factory) -> Path:
     return write_csv(tmp_path_factory.mktemp("data") / "reviews.csv", sentiment_rows(40))
@@ -69,13 +79,7 @@ def test_two_tokenizers_never_share_a_prepared_folder(tiny_bert, tiny_roberta_pa
 
 @pytest.mark.parametrize("fixture", ["tiny_bert", "tiny_roberta_pad_last"])
 def test_a_checkpoint_rebuilds_without_the_original_folder_and_padding_changes_nothing(fixture, request, reviews, tmp_path):
-    source = request.getfixturevalue(fixture)
-    cfg = _config(source, reviews)
-    manifest = prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "p", tokenizer=str(source))
-    fam = family("pretrained")
-    sizes = fam.sizes(manifest, cfg.model, 24)
-    torch.manual_seed(0)
-    model = fam.build(cfg.model, sizes, 2).eval()
+    cfg, manifest, fam, sizes, model = _built(request.getfixturevalue(fixture), reviews, tmp_path)
     state = {"sizes": sizes, "model": model.state_dict()}
     rebuilt = fam.build(cfg.model, fam.checkpoint_sizes(state), 2).eval()  # from the config it carries: no from_pretrained
     rebuilt.load_state_dict(state["model"])
@@ -185,10 +189,7 @@ def test_precision_settings_and_gradient_checkpointing(tiny_bert, reviews, tmp_p
     with pytest.raises(ConfigError, match="train.precision: fp16 needs a CUDA device"):
         autocast_dtype("fp16", cpu)
 
-    cfg = _config(tiny_bert, reviews)
-    manifest = prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "p", tokenizer=str(tiny_bert))
-    fam = family("pretrained")
-    model = fam.build(cfg.model, fam.sizes(manifest, cfg.model, 24), 2)
+    cfg, _, fam, _, model = _built(tiny_bert, reviews, tmp_path)
     fam.enable_gradient_checkpointing(model, cfg.model)
     assert model.model.is_activation_checkpointing
 
@@ -241,13 +242,7 @@ def test_heads_and_units_pruned_away_reload_and_export_with_the_same_predictions
 
     from training.prune import structured_prune
 
-    source = tiny_roberta_pad_last
-    cfg = _config(source, reviews)
-    manifest = prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "p", tokenizer=str(source))
-    fam = family("pretrained")
-    sizes = fam.sizes(manifest, cfg.model, 24)
-    torch.manual_seed(0)
-    model = fam.build(cfg.model, sizes, 2).eval()
+    cfg, manifest, fam, sizes, model = _built(tiny_roberta_pad_last, reviews, tmp_path)
     pruned, same_cfg = structured_prune(model, cfg.model, 0.5)
     assert same_cfg == cfg.model
     kept = fam.sizes_of(pruned, sizes)["kept"]
@@ -278,10 +273,7 @@ def test_heads_and_units_pruned_away_reload_and_export_with_the_same_predictions
 def test_unstructured_pruning_reaches_the_family_model(tiny_bert, reviews, tmp_path):
     from training.prune import prune, sparsity
 
-    cfg = _config(tiny_bert, reviews)
-    manifest = prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "p", tokenizer=str(tiny_bert))
-    fam = family("pretrained")
-    model = fam.build(cfg.model, fam.sizes(manifest, cfg.model, 24), 2)
+    cfg, _, _, _, model = _built(tiny_bert, reviews, tmp_path)
     model, _ = prune(model, cfg.model, "global_unstructured", 0.6)
     assert sparsity(model)["sparsity_prunable"] == pytest.approx(0.6, abs=0.01)
 
@@ -290,11 +282,7 @@ def test_the_served_model_runs_in_bf16_only_where_it_agrees_with_fp32_and_pays(t
     import training.inference as inference
     from training.inference import TextClassifier, serving_precision
 
-    cfg = _config(tiny_bert, reviews)
-    manifest = prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "p", tokenizer=str(tiny_bert))
-    fam = family("pretrained")
-    sizes = fam.sizes(manifest, cfg.model, 24)
-    model = fam.build(cfg.model, sizes, 2)
+    cfg, manifest, fam, sizes, model = _built(tiny_bert, reviews, tmp_path)
     from training.checkpoint import save_checkpoint
 
     save_checkpoint(tmp_path / "best.pt", {"model": model.state_dict(), "model_config": cfg.model.model_dump(),

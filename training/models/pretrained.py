@@ -61,24 +61,22 @@ def _unavailable(source: str, err: Exception) -> PretrainedError:
         f"connected machine (`hf download {source}`) and copy the folder or the cache here")
 
 
-def load_tokenizer(source: str):
-    from transformers import AutoTokenizer
+def _load(kind: str, source: str):
+    import transformers
 
     try:
         with _quiet():
-            return AutoTokenizer.from_pretrained(source)
+            return getattr(transformers, kind).from_pretrained(source)
     except (OSError, ValueError) as err:
         raise _unavailable(source, err) from None
+
+
+def load_tokenizer(source: str):
+    return _load("AutoTokenizer", source)
 
 
 def load_config(source: str):
-    from transformers import AutoConfig
-
-    try:
-        with _quiet():
-            return AutoConfig.from_pretrained(source)
-    except (OSError, ValueError) as err:
-        raise _unavailable(source, err) from None
+    return _load("AutoConfig", source)
 
 
 def check_source(source: str | None) -> None:
