@@ -97,10 +97,12 @@ def _zhflow(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 
                           timeout=timeout, env={**os.environ, "ZHFLOW_HOME": str(cwd / "home"), **(env or {})})
 
 
-def test_a_hub_id_that_cannot_be_fetched_is_one_clear_line_and_nothing_is_recorded(tmp_path):
+@pytest.mark.parametrize("network", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}],
+                         ids=["offline", "hub-unreachable"])
+def test_a_hub_id_that_cannot_be_fetched_is_one_clear_line_and_nothing_is_recorded(tmp_path, network):
     started = time.monotonic()
     out = _zhflow(["run", "--preset", "tiny", "--pretrained", "hfl/not-a-cached-model"], tmp_path,
-                  env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "MLFLOW_TRACKING_URI": ""})
+                  env={**network, "HF_HOME": str(tmp_path / "hf"), "MLFLOW_TRACKING_URI": ""})
     assert out.returncode == 2, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("zhflow: error: model.pretrained: 'hfl/not-a-cached-model'"), out.stderr

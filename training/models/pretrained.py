@@ -40,14 +40,19 @@ def _quiet() -> Iterator[None]:
     """transformers' load reports and progress bars are for notebooks; zhflow says what it loaded itself."""
     from transformers.utils import logging as hf_logging
 
-    verbosity = hf_logging.get_verbosity()
+    import logging
+
+    hub = logging.getLogger("huggingface_hub")
+    verbosity, hub_level = hf_logging.get_verbosity(), hub.level
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    hub.setLevel(logging.ERROR)  # its retry warnings: zhflow's own error says what went wrong
     try:
         yield
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
+        hub.setLevel(hub_level)
 
 
 def _unavailable(source: str, err: Exception) -> PretrainedError:
@@ -61,14 +66,38 @@ def _unavailable(source: str, err: Exception) -> PretrainedError:
         f"connected machine (`hf download {source}`) and copy the folder or the cache here")
 
 
+def _hub_reachable(timeout: float = 3.0) -> str | None:
+    """None if the hub answers a TCP connection within ``timeout`` seconds, else why not (a machine without internet
+    would otherwise wait through huggingface_hub's retries)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    endpoint = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=timeout).close()
+        return None
+    except OSError as err:
+        return f"{endpoint.hostname}:{port} cannot be reached ({err})"
+
+
 def _load(kind: str, source: str):
+    """``transformers.<kind>.from_pretrained(source)``: a local folder or the cache first, the hub only if it answers."""
     import transformers
 
-    try:
-        with _quiet():
-            return getattr(transformers, kind).from_pretrained(source)
-    except (OSError, ValueError) as err:
-        raise _unavailable(source, err) from None
+    cls = getattr(transformers, kind)
+    with _quiet():
+        try:
+            return cls.from_pretrained(source, local_files_only=True)
+        except (OSError, ValueError) as err:
+            if Path(source).expanduser().is_dir() or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+                raise _unavailable(source, err) from None
+        if (why := _hub_reachable()) is not None:
+            raise _unavailable(source, OSError(why)) from None
+        try:
+            return cls.from_pretrained(source)
+        except (OSError, ValueError) as err:
+            raise _unavailable(source, err) from None
 
 
 def load_tokenizer(source: str):
