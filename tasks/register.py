@@ -67,11 +67,12 @@ def registered_name(config: PipelineConfig, manifest: dict) -> str:
 
 
 def _requirements(config: PipelineConfig, kind: str) -> list[str]:
-    names = ["torch", "mlflow", "jieba", "numpy", "pandas", "pydantic", "scikit-learn"]
+    names = ["torch", "mlflow", "numpy", "pandas", "pydantic", "scikit-learn"]
+    family = family_of(config.model)
     if kind in ("neural", "ensemble"):
-        names += family_of(config.model).requirements()
-    if config.preprocess.segmenter == "rjieba":
-        names.append("rjieba")
+        names += family.requirements()
+    if kind != "neural" or family.segments_words:  # the linear model and word-input families read jieba words
+        names += ["jieba", "rjieba"] if config.preprocess.segmenter == "rjieba" else ["jieba"]
     if config.preprocess.traditional_to_simplified:
         names.append("opencc")
     return [f"{n}=={metadata.version(n)}" for n in names]

@@ -139,6 +139,8 @@ def test_fine_tuning_a_local_checkpoint_with_two_processes_registers_and_serves(
         assert served["label"].tolist() == ["positive", "negative"]
         classifier = model.unwrap_python_model()
         assert classifier.encoder.__class__.__name__ == "TokenizerEncoder"
+        requirements = Path(mlflow.pyfunc.get_model_dependencies(summary["model"]["uri"])).read_text()
+        assert "transformers==" in requirements and "jieba" not in requirements  # its tokenizer only
         direct = classifier.predict_proba(texts)
         assert np.allclose(served[["prob_negative", "prob_positive"]].to_numpy(), direct, atol=1e-6)
 

@@ -27,6 +27,7 @@ class Family:
 
     name: ClassVar[str]
     sweep_space: ClassVar[dict | None] = None  # a sweep's built-in space from this family (None: training.sweep's)
+    segments_words: ClassVar[bool] = True  # the served model segments with jieba (False: its own tokenizer only)
     serves_bf16: ClassVar[bool] = False  # the served model may run in bf16 (training.inference.serving_precision)
 
     def inputs(self, cfg: ModelConfig) -> tuple[str, ...]:

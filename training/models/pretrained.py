@@ -193,6 +193,7 @@ class PretrainedClassifier(nn.Module):
 
 class Pretrained(Family):
     name = "pretrained"
+    segments_words = False  # its tokenizer reads the cleaned text: no jieba at serving time
     serves_bf16 = True  # where the CPU has bf16 and the labels agree with fp32's (checked at registration)
     sweep_space = {  # fine-tuning: the settings that matter there (the checkpoint is the user's choice)
         "train.lr": {"low": 1e-5, "high": 1e-4, "log": True},
