@@ -45,7 +45,7 @@ def train_pipeline(config: Optional[PipelineConfig] = None, experiment: Experime
     Args:
         config: The settings of the run. With a preset, every setting given here applies, whatever its value, and every one left empty comes from the preset.
         experiment: MLflow experiment of the run (created if missing).
-        preset: Start from a preset: tiny (a 600-text subset, seconds), default (the whole corpus, minutes on a CPU), gpu (a wider model for a CUDA machine). Empty: the settings as given (the default preset when none are).
+        preset: Start from a preset: tiny (a 600-text subset, seconds), default (the whole corpus, minutes on a CPU), gpu (a wider model for a CUDA machine), finetune (fine-tune a pretrained Chinese encoder, model.pretrained). Empty: the settings as given (the default preset when none are).
     """
     slot = scheduled_slot()
     if slot["superseded"]:

@@ -60,7 +60,7 @@ def sweep(
         study: Optuna study name; running again with the same name continues that study. Empty: a new study.
         seed: Seed of the sampler: with parallel 1, the same seed and space give the same suggestions.
         experiment: MLflow experiment of the sweep's runs.
-        preset: Start the trials from a preset (tiny, default, gpu), the settings given in config on top. Empty: config as it is (the default preset when config is empty too).
+        preset: Start the trials from a preset (tiny, default, gpu, finetune), the settings given in config on top. Empty: config as it is (the default preset when config is empty too).
     """
     logger = get_run_logger()
     if trials < 1 or parallel < 1:
