@@ -140,3 +140,16 @@ def test_no_weight_decay_on_biases_and_norms():
     assert all(names[id(p)].endswith("bias") or "norm" in names[id(p)] for p in no_decay["params"])
     assert any(names[id(p)].endswith("embedding.weight") for p in decay["params"])
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_a_family_missing_part_of_the_interface_is_refused_when_it_is_made():
+    from training.models.base import Family
+
+    class Half(Family):
+        name = "half"
+
+        def inputs(self, cfg):
+            return ("word",)
+
+    with pytest.raises(TypeError, match="abstract"):
+        Half()

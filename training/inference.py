@@ -57,7 +57,6 @@ class TextClassifier(mlflow.pyfunc.PythonModel):
         self.pre = PreprocessConfig.model_validate(meta["preprocess"] | files)
         self.normalize = normalizer(self.pre)
         self.segmenter = Segmenter.from_config(self.pre)
-        self.chars = Segmenter("char", "none")
         self.model = self.linear = self.encoder = None
         self.word_stoi: dict[str, int] = {}
         if self.kind in ("neural", "ensemble"):

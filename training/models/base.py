@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from abc import ABC, abstractmethod
 from typing import Callable, ClassVar
 
 import torch
@@ -22,17 +23,18 @@ from training.config import ModelConfig
 from training.data.dataset import pad_batch
 
 
-class Family:
-    """One model family. Subclasses set ``name`` and implement the methods below."""
+class Family(ABC):
+    """One model family. Subclasses set ``name`` and implement the abstract methods (a family missing one cannot be
+    instantiated, so the registry refuses it at once); the others have defaults that suit most families."""
 
     name: ClassVar[str]
     sweep_space: ClassVar[dict | None] = None  # a sweep's built-in space from this family (None: training.sweep's)
     segments_words: ClassVar[bool] = True  # the served model segments with jieba (False: its own tokenizer only)
     serves_bf16: ClassVar[bool] = False  # the served model may run in bf16 (training.inference.serving_precision)
 
+    @abstractmethod
     def inputs(self, cfg: ModelConfig) -> tuple[str, ...]:
         """The prepared inputs the model reads (names of ``training.data.dataset.FILES``)."""
-        raise NotImplementedError
 
     def check(self, cfg: ModelConfig) -> None:
         """Refuse settings the family cannot use, before any run is opened (a ``ConfigError`` naming the setting)."""
@@ -41,26 +43,26 @@ class Family:
         """Where the family's own tokenizer comes from (preprocessing then stores its ids too); None: zhflow's own."""
         return None
 
+    @abstractmethod
     def sizes(self, manifest: dict, cfg: ModelConfig, max_len: int) -> dict:
         """What ``build`` needs besides the settings, from the prepared data (stored in the checkpoint)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def build(self, cfg: ModelConfig, sizes: dict, num_classes: int) -> nn.Module:
         """A fresh model: ``model(batch) -> logits`` for a batch made by ``collate``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def limits(self, cfg: ModelConfig, max_len: int) -> dict[str, int]:
         """The longest sequence of each input the model reads (longer ones are cut)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def collate(self, cfg: ModelConfig, sizes: dict) -> Callable[[list], tuple[dict[str, torch.Tensor], torch.Tensor]]:
         """Items of an ``EncodedSplit`` -> one padded batch and its labels."""
-        raise NotImplementedError
 
+    @abstractmethod
     def structured_prune(self, model: nn.Module, cfg: ModelConfig, amount: float, include_embedding: bool,
                          reference: ModelConfig) -> tuple[nn.Module, ModelConfig]:
         """A smaller model of the family, the ``amount`` share of ``reference``'s units removed (training.prune)."""
-        raise NotImplementedError
 
     def sizes_of(self, model: nn.Module, sizes: dict) -> dict:
         """The sizes of ``model`` after structured pruning (saved with the pruned checkpoint); ``sizes``: before."""
@@ -89,18 +91,19 @@ class Family:
         """Files of the prepared folder the served model needs to encode raw text (besides the checkpoint)."""
         return {}
 
+    @abstractmethod
     def text_encoder(self, cfg: ModelConfig, sizes: dict, artifacts: dict[str, str], max_len: int, segmenter) -> "TextEncoder":
         """What turns cleaned texts into the model's batch at serving time."""
-        raise NotImplementedError
 
 
-class TextEncoder:
+class TextEncoder(ABC):
     """Cleaned texts -> a batch for the model. ``needs_words``: it reads jieba words (passed in, segmented once)."""
 
     needs_words: bool = False
 
+    @abstractmethod
     def __call__(self, clean: list[str], words: list[list[str]] | None = None) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """The batch of ``clean`` (``words``: their jieba words, when the caller segmented them already)."""
 
 
 # ---- the families trained from scratch ----------------------------------------------------------------------------
@@ -184,11 +187,11 @@ class ScratchFamily(Family):
                 for name in ("word", "char") if f"encoders.{name}.positions.weight" in state["model"]}
         return {"vocab": state["vocab_sizes"], "positions": {"word": 8192, "char": 8192} | rows}
 
+    @abstractmethod
     def prune_encoder(self, sd: dict, prefix: str, cfg: ModelConfig, ref: ModelConfig, amount: float,
                       dims: torch.Tensor, new: dict, update: dict) -> torch.Tensor:
         """Write the pruned encoder's tensors (under ``prefix``) into ``new`` and its new sizes into ``update``;
         ``dims``: the embedding dimensions kept. Returns the kept columns of its output features."""
-        raise NotImplementedError
 
     def structured_prune(self, model, cfg, amount, include_embedding, reference):
         sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
