@@ -29,6 +29,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from tasks.recover import OWNER_ENV, owner
 from training.config import TrainConfig
+from training.distributed import TORCHRUN_ENV
 from training.events import EVENTS_FILE, EventReader
 from training.job import WorkerJob
 
@@ -122,7 +123,7 @@ def launch_training(job: WorkerJob, on_epoch: Callable[[int, dict], bool] | None
     cmd = torchrun_command(job_file, "auto" if job.train.nproc is None else nproc, job.train,
                            rdzv_id=job.mlflow_run_id or out_dir.name)
     env = dict(os.environ, PYTHONUNBUFFERED="1", MLFLOW_TRACKING_URI=mlflow.get_tracking_uri(),
-               TORCHELASTIC_ERROR_FILE=str(error_file), **{OWNER_ENV: owner()})  # found again if this process is killed
+               TORCHELASTIC_ERROR_FILE=str(error_file), **TORCHRUN_ENV, **{OWNER_ENV: owner()})  # found again if this process is killed
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     if available_devices()[0] == "cpu":  # the processes' share of the cores; torch reads it as it starts

@@ -5,11 +5,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from training.checkpoint import load_checkpoint
+from training.distributed import TORCHRUN_ENV
 from training.job import WorkerJob
 from training.presets import preset, tiny
 from training.data.prepare import prepare_dataset
@@ -41,7 +44,7 @@ def _cmd(job: WorkerJob, tmp_path, nproc=2, extra=("--standalone",)) -> list[str
 
 
 def _env(**extra) -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", **extra)
+    return dict(os.environ, OMP_NUM_THREADS="1", **TORCHRUN_ENV, **extra)  # torchrun as the launcher starts it
 
 
 def _start(cmd, env) -> subprocess.Popen:
@@ -50,16 +53,24 @@ def _start(cmd, env) -> subprocess.Popen:
 
 
 def _wait(procs: list[subprocess.Popen], timeout: int = 300) -> list[subprocess.CompletedProcess]:
-    results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
-            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-        return results
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+    """Every process's output; past the deadline all are killed and the failure shows what each printed."""
+    outputs: dict[int, tuple[str, str]] = {}
+    readers = [threading.Thread(target=lambda i, p: outputs.__setitem__(i, p.communicate()), args=(i, p), daemon=True)
+               for i, p in enumerate(procs)]
+    for r in readers:
+        r.start()
+    deadline = time.monotonic() + timeout
+    for r in readers:
+        r.join(max(0.0, deadline - time.monotonic()))
+    late = [p for p in procs if p.poll() is None]
+    for p in late:
+        os.killpg(p.pid, signal.SIGKILL)
+    for r in readers:
+        r.join()
+    if late:
+        tails = [f"--- {' '.join(p.args[3:9])} ---\n" + "".join(o[-2000:] for o in outputs[i]) for i, p in enumerate(procs)]
+        pytest.fail(f"still running after {timeout} s:\n" + "\n".join(tails))
+    return [subprocess.CompletedProcess(p.args, p.returncode, *outputs[i]) for i, p in enumerate(procs)]
 
 
 def _run(cmd, env, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -125,18 +136,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_meet_at_a_c10d_rendezvous(tmp_path, prepared):
-    job = _job(tmp_path, prepared, epochs=2)
+def test_two_nodes_meet_at_a_c10d_rendezvous_and_a_node_restart_resumes_both(tmp_path, prepared):
+    # node 1's worker (global rank 1) dies once in epoch 2: its agent restarts it, node 0's agent sees it come back
+    # to the rendezvous and restarts its own; both resume from epoch 1's checkpoint in a new round
+    job = _job(tmp_path, prepared, epochs=2, max_restarts=2)
     endpoint = f"127.0.0.1:{_free_port()}"
+    env = _env(ZHFLOW_TEST_KILL_AT_STEP="4", ZHFLOW_TEST_KILL_ONCE_FILE=str(tmp_path / "killed"))
     procs = []
     for node in (0, 1):
         extra = ("--nnodes", "2", "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                  "--rdzv-id", "two-nodes-test")
-        procs.append(_start(_cmd(job, tmp_path, nproc=1, extra=extra), _env()))
-    outputs = _wait(procs)
+        procs.append(_start(_cmd(job, tmp_path, nproc=1, extra=extra), env))
+    outputs = _wait(procs, timeout=150)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o.stdout[-2000:] + o.stderr[-2000:] for o in outputs)
+    assert (tmp_path / "killed").exists()
     result = read_result(tmp_path / "out")
-    assert result["world_size"] == 2 and result["epochs_run"] == 2
+    assert result["world_size"] == 2 and result["epochs_run"] == 2 and result["restarts"] >= 1
 
 
 def test_two_runs_at_once_do_not_collide(tmp_path, prepared):

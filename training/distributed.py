@@ -13,6 +13,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# How torchrun is to be started (the launcher sets it, and every other node's torchrun needs it too).
+# By default the agents keep one TCPStore for every rendezvous round, so a restarted group finds the
+# dead group's keys there; torch's own opt-out gives each round a store of its own on a fresh port.
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -44,8 +49,11 @@ def setup() -> DistInfo:
     if world_size > 1 and not dist.is_initialized():
         timeout = timedelta(minutes=10)
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            # torchrun keeps one store across restarts: without a per-attempt prefix, a restarted group
-            # reads the dead workers' addresses and fails to connect
+            # a torchrun started without TORCHRUN_ENV: one store for every attempt, so a per-attempt prefix.
+            # Right on one node; across nodes the restart counts differ after one node restarts.
+            if int(os.environ.get("GROUP_WORLD_SIZE", 1)) > 1 and rank == 0:
+                print(f"[train] warning: torchrun was started without {' '.join(f'{k}={v}' for k, v in TORCHRUN_ENV.items())}; "
+                      "a restart of one node will leave the others waiting", flush=True)
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                                    is_master=False, timeout=timeout)
@@ -54,6 +62,15 @@ def setup() -> DistInfo:
         else:
             dist.init_process_group(backend=backend, timeout=timeout)
     return DistInfo(rank, local_rank, world_size, device)
+
+
+def group_restarts(info: DistInfo) -> int:
+    """How often the group has been restarted: the most any node's agent counts (a node whose workers were
+    restarted because another node's died and came back does not count that one)."""
+    count = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))], device=info.device)
+    if info.ddp:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
 
 
 def cleanup() -> None:

@@ -168,7 +168,7 @@ class Trainer:
         self.events = EventWriter(Path(job.out_dir) / EVENTS_FILE) if info.is_main else None
         self.epoch, self.step, self.best, self.best_epoch, self.bad_epochs = 0, 0, None, 0, 0
         self.improving_at_end = False  # whether the last epoch run was a better one (a warning if the maximum stops it)
-        self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        self.restarts = distributed.group_restarts(info)
         self._resume()
         self.resumed_after_epoch = self.epoch
         self.epoch_rates: list[float] = []  # training samples/s of each epoch run here
