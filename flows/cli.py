@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from training.config import ConfigError, ModelConfig, PipelineConfig, check_experiment
+from training.config import MODEL_URI_PREFIXES, ConfigError, ModelConfig, PipelineConfig, check_experiment
 from training.overrides import apply_overrides, apply_settings
 from training.presets import PRESETS, preset
 
@@ -37,8 +37,23 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
     if model is not None and model not in MODEL_FAMILIES:
         raise ConfigError(f"model.name: unknown model family {model!r}; choose one of {', '.join(MODEL_FAMILIES)}")
     flags = {setting: getattr(args, flag) for flag, setting in FLAGS.items() if getattr(args, flag, None) is not None}
+    if teacher := getattr(args, "distill", None) or getattr(args, "teacher", None):
+        flags |= {"distill.enabled": True, "distill.teacher": teacher}
+    if student := getattr(args, "student", None):  # the student family with its preset defaults
+        if student not in MODEL_FAMILIES:
+            raise ConfigError(f"distill.student.name: unknown model family {student!r}; choose one of {', '.join(MODEL_FAMILIES)}")
+        taught = preset(args.preset, student)
+        flags |= {"distill.student": taught.model.model_dump(), "distill.train": taught.train.model_dump()}
+    if args.command == "distill":
+        if args.nproc is not None:
+            flags["distill.train.nproc"] = args.nproc
+        flags["select.candidates"] = []  # the distilled student alone (the TF-IDF reference is still scored beside it)
     config = apply_settings(preset(args.preset, model), flags) if flags else preset(args.preset, model)
     return apply_overrides(config, list(args.set or [])) if args.set else config
+
+
+def _teachers(value: str) -> list[str]:
+    return [t.strip() for t in value.split(",") if t.strip()]
 
 
 def _columns(value: str) -> list[str]:
@@ -82,6 +97,26 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     run.add_argument("--nproc", type=int, help="DDP processes (default: GPUs, or CPU cores)")
     run.add_argument("--experiment", default="zhflow", help="MLflow experiment (default: zhflow)")
     run.add_argument("--json-out", type=Path, help="write the run summary as JSON here")
+    run.add_argument("--distill", type=_teachers, metavar="TEACHER[,TEACHER]",
+                     help="also distil a student (distill.student, by default the preset's TextCNN) from trained (this "
+                          "run's model), baseline (TF-IDF + logistic regression) or a model URI; several: averaged")
+    run.add_argument("--student", help=f"the distilled student's family: {', '.join(MODEL_FAMILIES)} (with --distill)")
+    dist = sub.add_parser(
+        "distill", help="teach a small student with an existing model's (or the TF-IDF baseline's) probabilities",
+        description="Preprocess, then train a student (by default the preset's TextCNN) on the teacher's class probabilities\n"
+                    "and the labels, beside the same student trained alone; teacher, student alone and distilled student\n"
+                    "are compared on the same test split in a nested MLflow run `distill`; the student is registered\n"
+                    "(champion only if it beats the current one).\n\n"
+                    "  zhflow distill --teacher models:/zhflow-snownlp-sentiment@champion\n"
+                    "  zhflow distill --teacher baseline --student bilstm --dataset news.csv",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _data_options(dist)
+    dist.add_argument("--teacher", type=_teachers, required=True, metavar="TEACHER[,TEACHER]",
+                      help="models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/model or baseline; several: averaged")
+    dist.add_argument("--student", help=f"the student's family: {', '.join(MODEL_FAMILIES)} (default textcnn)")
+    dist.add_argument("--nproc", type=int, help="DDP processes (default: GPUs, or CPU cores)")
+    dist.add_argument("--experiment", default="zhflow", help="MLflow experiment (default: zhflow)")
+    dist.add_argument("--json-out", type=Path, help="write the run summary as JSON here")
     prep = sub.add_parser(
         "preprocess", help="only the preprocessing stage, into --out; prints the manifest's summary",
         description="Clean, deduplicate, split, segment and encode a dataset into --out (no Prefect, no MLflow), with the "
@@ -385,6 +420,11 @@ def _print_summary(summary: dict) -> None:
                       f"sparsity {summary['sparsity']['before']:.2f} -> {summary['sparsity']['after']:.2f}; "
                       f"{m['prune_after_params']:,.0f} parameters; file {m['prune_file_size_ratio']:.2f}x smaller; "
                       f"batch-64 CPU latency {m['prune_after_latency_b64_p50_ms']:.1f} ms ({m['prune_speedup_b64']:.2f}x)")
+    if "distill_distilled_test_macro_f1" in m:
+        speed = (f"; {m['distill_speedup_b64_vs_teacher']:.1f}x the teacher's batch-64 speed"
+                 if "distill_speedup_b64_vs_teacher" in m else "")
+        table.add_row("distillation", f"test_macro_f1: teacher {m['distill_teacher_test_macro_f1']:.4f}, student alone "
+                      f"{m['distill_alone_test_macro_f1']:.4f}, distilled {m['distill_distilled_test_macro_f1']:.4f}{speed}")
     table.add_row("experiment", summary["experiment"])
     table.add_row("parent run", summary["parent_run_id"])
     for stage, run_id in summary["stage_runs"].items():
@@ -418,7 +458,7 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
             check_experiment(args.experiment)  # the flows would refuse it only after a server has started
     except ConfigError as err:
         parser.exit(2, f"zhflow: error: --{err}\n")
-    if args.command in ("run", "sweep", "evaluate", "predict"):
+    if args.command in ("run", "distill", "sweep", "evaluate", "predict"):
         from tasks.servers import ServerUnreachable, check_servers
 
         try:
@@ -437,7 +477,11 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         from training.models import check_model
 
         check_model(config.model)  # a checkpoint that cannot be loaded: one line now, no run recorded, no server started
-    except ConfigError as err:
+        if config.distill.enabled and any(t.startswith(MODEL_URI_PREFIXES) for t in config.distill.teacher):
+            from tasks.distill import check_teachers
+
+            check_teachers(config.distill)  # a teacher URI that names no model: the same
+    except ConfigError as err:  # DistillError too
         parser.exit(2, f"zhflow: error: {err}\n")
     if args.command == "preprocess":
         return preprocess_command(config, args.out)

@@ -1,5 +1,5 @@
 """The ``train_pipeline`` flow: preprocess -> train -> evaluate -> baseline -> prune + fine-tune (rounds) -> evaluate
--> linear -> ensemble -> select (best validation macro-F1) -> register.
+-> distill (optional) -> linear -> ensemble -> select (best validation macro-F1) -> register.
 
     zhflow run --preset tiny                          # from the shell
     python -c "from flows.pipeline import train_pipeline; from training.presets import tiny; train_pipeline(tiny())"
@@ -18,6 +18,7 @@ from training.presets import PresetName, on_preset
 from training.paths import check_config_paths
 from tasks.baseline import baseline_model
 from tasks.candidates import ensemble_candidate, linear_candidate, select_candidate
+from tasks.distill import check_teachers, comparable, distill_report, teachers, train_student
 from tasks.evaluate import evaluate_model
 from tasks.preprocess import preprocess
 from tasks.prune import prune_report, prune_round
@@ -55,14 +56,19 @@ def train_pipeline(config: Optional[PipelineConfig] = None, experiment: Experime
     check_model(config.model)  # a pretrained checkpoint that cannot be loaded: refused before any run is opened
     parent = open_pipeline_run(config, experiment)
     prepared = preprocess(config.data, config.preprocess, config.augment, parent, tokenizer_source(config.model))
-    stage_runs, metrics, neural = {"preprocess": prepared["run_id"]}, {}, None
+    check_teachers(config.distill, prepared["manifest"]["labels"])  # a teacher of other labels: refused before training
+    stage_runs, metrics, neural, distilled = {"preprocess": prepared["run_id"]}, {}, None, None
     baseline = baseline_model(config, prepared, parent)
     if "neural" in config.select.candidates:
         neural, stages, neural_metrics, prune_rounds, sparsity = train_neural(config, prepared, parent)
         stage_runs |= stages
         metrics |= neural_metrics
+    if config.distill.enabled:
+        distilled, distill_metrics = distill_stage(config, prepared, parent, neural)
+        stage_runs["distill"] = distilled["distill_run_id"]
+        metrics |= distill_metrics
     stage_runs["baseline"] = baseline["run_id"]
-    chosen, candidates = choose_candidate(config, neural, prepared, parent)
+    chosen, candidates = choose_candidate(config, neural, prepared, parent, distilled)
     stage_runs |= {name: c["run_id"] for name, c in candidates.items() if name != "neural"}
     model = register_model(config, chosen, prepared, parent, slot=slot["key"])
     stage_runs["register"] = model["run_id"]
@@ -108,13 +114,37 @@ def train_neural(config: PipelineConfig, prepared: dict, parent: dict) -> tuple[
                | {f"trained_{k}": v for k, v in evaluated_trained["metrics"].items()}
                | {f"prune_{k}": pruning["metrics"][k] for k in REPORTED})
     sparsity = {"before": pruning["metrics"]["before_sparsity_prunable"], "after": pruning["metrics"]["after_sparsity_prunable"]}
-    return {**evaluated, "trained": trained}, stages, metrics, pruning["rounds"], sparsity
+    return {**evaluated, "trained": trained, "evaluated_trained": evaluated_trained}, stages, metrics, pruning["rounds"], sparsity
 
 
-def choose_candidate(config: PipelineConfig, neural: dict | None, prepared: dict, parent: dict) -> tuple[dict, dict]:
-    """The candidates ``select.candidates`` asks for, and the one with the best validation macro-F1."""
+def distill_stage(config: PipelineConfig, prepared: dict, parent: dict, neural: dict | None) -> tuple[dict, dict]:
+    """The distilled candidate: the teachers' probabilities (cached), the student alone (the run's own neural model
+    when it is the same student, else trained here), the distilled student, and the three side by side."""
+    distill_parent = open_stage_run(parent, "distill")
+    trained = neural["trained"] if neural else None
+    teacher = teachers(config, prepared, distill_parent, trained["best_checkpoint"] if trained else None)
+    if neural and comparable(config):
+        alone = neural["evaluated_trained"]
+    else:
+        alone_trained = with_limits(train_student, config.distill.train)(config, prepared, distill_parent, None, stage="train_alone")
+        alone = evaluate_model(config, alone_trained["best_checkpoint"], prepared, distill_parent, stage="evaluate_alone")
+    student = with_limits(train_student, config.distill.train)(config, prepared, distill_parent, teacher["paths"]["train"])
+    distilled = evaluate_model(config, student["best_checkpoint"], prepared, distill_parent, stage="evaluate_student")
+    report = distill_report(config, prepared, distill_parent, teacher, trained, alone, distilled)
+    teacher_record = {"teacher": ",".join(config.distill.teacher), "teacher_identity": ";".join(t["identity"] for t in teacher["teachers"]),
+                      "teacher_test_macro_f1": teacher["scores"]["test_macro_f1"]}
+    return ({**distilled, "trained": student, "teacher": teacher_record, "distill_run_id": distill_parent["run_id"]},
+            {f"distill_{k}": v for k, v in report["metrics"].items()})
+
+
+def choose_candidate(config: PipelineConfig, neural: dict | None, prepared: dict, parent: dict,
+                     distilled: dict | None = None) -> tuple[dict, dict]:
+    """The candidates ``select.candidates`` asks for (and the distilled student, with ``distill.enabled``), and the one
+    with the best validation macro-F1."""
     wanted = config.select.candidates
     candidates = {"neural": neural} if neural else {}
+    if distilled:
+        candidates["distilled"] = distilled
     if "linear" in wanted:
         candidates["linear"] = linear_candidate(config, prepared, parent)
     if "ensemble" in wanted:

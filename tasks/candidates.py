@@ -25,7 +25,7 @@ from tasks.evaluate import save_probs
 from tasks.tracking import stage_run
 
 TITLES = {"neural": "neural ({family})", "linear": "linear (TF-IDF {setting})",
-          "ensemble": "ensemble (neural and linear averaged)"}
+          "ensemble": "ensemble (neural and linear averaged)", "distilled": "distilled ({student}, taught by {teacher})"}
 
 
 def _test_texts(prepared: dict) -> list[str]:
@@ -93,7 +93,8 @@ def select_candidate(config: PipelineConfig, candidates: dict[str, dict], parent
         m = c["metrics"]
         for key in ("val_macro_f1", "test_macro_f1", "test_accuracy"):
             client.log_metric(parent["run_id"], f"{name}_{key}", m[key])
-        title = TITLES[name].format(family=config.model.name, setting=c.get("setting", ""))
+        title = TITLES[name].format(family=config.model.name, setting=c.get("setting", ""), student=config.distill.student.name,
+                                    teacher=" + ".join(config.distill.teacher))
         rows.append(f"| {title} | {m['val_macro_f1']:.4f} | {m['test_macro_f1']:.4f} | {m['test_accuracy']:.4f} | "
                     f"{'**registered**' if name == chosen else ''} |")
     table = "\n".join(rows) + "\n\nChosen by validation macro-F1; the test split only scores the choice.\n"

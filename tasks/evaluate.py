@@ -38,7 +38,8 @@ def evaluate_model(config: PipelineConfig, checkpoint: str, prepared: dict, pare
         mlflow.log_metrics({k: metrics[k] for k in ("val_macro_f1", "sparsity_prunable")})
         mlflow.set_tag("checkpoint", checkpoint)
         saved = save_probs(Path(parent["work_dir"]) / stage, {split: p for split, (p, _) in probs.items()})
-        return {"kind": "neural", "metrics": metrics, "run_id": run.info.run_id, "checkpoint": checkpoint, "probs": saved}
+        return {"kind": "neural", "metrics": metrics, "run_id": run.info.run_id, "checkpoint": checkpoint, "probs": saved,
+                "model": model_cfg.model_dump()}
 
 
 def save_probs(folder: Path, probs: dict) -> dict[str, str]:

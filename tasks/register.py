@@ -28,7 +28,7 @@ from prefect.concurrency.sync import concurrency
 from sklearn.metrics import f1_score
 
 import training
-from training.config import BUILTIN_DATASETS, PipelineConfig
+from training.config import BUILTIN_DATASETS, ModelConfig, PipelineConfig
 from training.data.prepare import load_manifest
 from training.inference import TextClassifier, serving_precision
 from training.models import family_of
@@ -66,9 +66,15 @@ def registered_name(config: PipelineConfig, manifest: dict) -> str:
     return f"zhflow-{slug or 'dataset'}-{hashlib.sha256(stem.encode('utf-8')).hexdigest()[:6]}"
 
 
-def _requirements(config: PipelineConfig, kind: str) -> list[str]:
+def _model_config(config: PipelineConfig, candidate: dict) -> ModelConfig:
+    """The candidate's own model (a distilled student is not ``config.model``)."""
+    return ModelConfig.model_validate(candidate["model"]) if candidate.get("model") else config.model
+
+
+def _requirements(config: PipelineConfig, candidate: dict) -> list[str]:
     names = ["torch", "mlflow", "numpy", "pandas", "pydantic", "scikit-learn"]
-    family = family_of(config.model)
+    kind = candidate.get("kind", "neural")
+    family = family_of(_model_config(config, candidate))
     if kind in ("neural", "ensemble"):
         names += family.requirements()
     if kind != "neural" or family.segments_words:  # the linear model and word-input families read jieba words
@@ -177,7 +183,7 @@ def _artifacts(config: PipelineConfig, candidate: dict, prepared: dict, manifest
         shutil.copy(candidate["checkpoint"] + ".json", str(checkpoint) + ".json")
         # what the family needs to encode raw text (zhflow's vocabularies, or the model's own tokenizer)
         artifacts |= {"checkpoint": str(checkpoint), "checkpoint_sidecar": str(checkpoint) + ".json",
-                      **family_of(config.model).served_artifacts(prepared["path"])}
+                      **family_of(_model_config(config, candidate)).served_artifacts(prepared["path"])}
     if kind in ("linear", "ensemble"):
         artifacts |= {"linear": candidate["linear_dir"], "vocab": str(Path(prepared["path"]) / "vocab.json")}
     for key in ("user_dict", "stopwords_file"):
@@ -216,7 +222,7 @@ def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, pare
         signature = infer_signature(EXAMPLE, classifier.predict(None, EXAMPLE))
         info = mlflow.pyfunc.log_model(
             name="model", python_model=str(Path(training.__file__).parent / "pyfunc_model.py"), artifacts=artifacts, signature=signature, input_example=EXAMPLE,
-            pip_requirements=_requirements(config, kind), code_paths=[str(Path(training.__file__).parent)],
+            pip_requirements=_requirements(config, evaluated), code_paths=[str(Path(training.__file__).parent)],
         )
         mlflow.set_tag("candidate", kind)
         result = {"name": name, "version": None, "uri": info.model_uri, "alias": None, "run_id": run.info.run_id, "kind": kind}
@@ -225,8 +231,8 @@ def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, pare
         client = MlflowClient()
         # repr: the exact float, so that the next run compares the same number (a rounded tag made ties "win")
         tags = ({F1_TAG: repr(float(f1)), SPLIT_TAG: digest, LABELS_TAG: labels, DATASET_TAG: dataset_id(manifest),
-                 "candidate": kind,
-                 "parent_run_id": parent["run_id"]} | ({SLOT_TAG: slot} if slot else {}))
+                 "candidate": kind, "parent_run_id": parent["run_id"]}
+                | {k: str(v) if not isinstance(v, float) else repr(v) for k, v in (evaluated.get("teacher") or {}).items()} | ({SLOT_TAG: slot} if slot else {}))
         with registry_lock(name):  # the slot check, the registration and the alias move are one step
             if earlier := _slot_taken(client, name, slot, result):
                 return earlier

@@ -63,10 +63,13 @@ def _wait(procs: list[subprocess.Popen], timeout: int = 300) -> list[subprocess.
     for r in readers:
         r.join(max(0.0, deadline - time.monotonic()))
     late = [p for p in procs if p.poll() is None]
-    for p in late:
-        os.killpg(p.pid, signal.SIGKILL)
-    for r in readers:
-        r.join()
+    # SIGTERM first: torchrun's workers run in sessions of their own, and only the agent can end them
+    for sig, grace in ((signal.SIGTERM, 40), (signal.SIGKILL, 5)):
+        for p in late:
+            if p.poll() is None:
+                os.killpg(p.pid, sig)
+        for r in readers:
+            r.join(grace if late else None)
     if late:
         tails = [f"--- {' '.join(p.args[3:9])} ---\n" + "".join(o[-2000:] for o in outputs[i]) for i, p in enumerate(procs)]
         pytest.fail(f"still running after {timeout} s:\n" + "\n".join(tails))

@@ -329,10 +329,10 @@ CandidateName = Literal["neural", "linear", "ensemble"]
 
 class SelectConfig(_Section):
     candidates: list[CandidateName] = Field(
-        ["neural", "linear", "ensemble"], min_length=1, title="Candidates",
+        ["neural", "linear", "ensemble"], title="Candidates",
         description="Models the run trains and scores: neural (the model family above, after pruning), linear (TF-IDF "
                     "char + word n-grams, logistic regression or linear SVM), ensemble (their probabilities averaged, the weight chosen "
-                    "on validation). The one with the best validation macro-F1 is registered.",
+                    "on validation); with distill.enabled, the distilled student too (the list may then be empty). The one with the best validation macro-F1 is registered.",
     )
 
     @field_validator("candidates")
@@ -342,6 +342,44 @@ class SelectConfig(_Section):
             raise ValueError("each candidate at most once")
         if "ensemble" in v and not {"neural", "linear"} <= set(v):
             raise ValueError("ensemble averages the neural and the linear model: list both")
+        return v
+
+
+TEACHER_KINDS = ("trained", "baseline")
+MODEL_URI_PREFIXES = ("models:/", "runs:/")
+
+
+class DistillConfig(_Section):
+    enabled: bool = Field(
+        False, title="Distil",
+        description="After training and pruning, teach a small student (below) with the teacher's class probabilities; "
+                    "the distilled student is one more candidate, registered if it scores best on validation.",
+    )
+    teacher: list[Annotated[str, Field(min_length=1, max_length=500)]] = Field(
+        ["trained"], min_length=1, title="Teacher(s)",
+        description="trained (this run's trained model, before pruning), baseline (TF-IDF character 1-3 grams + logistic "
+                    "regression, fitted on the train split only: its probabilities for the train texts out-of-fold), or a "
+                    "model URI whose served model returns class probabilities (models:/NAME@ALIAS, models:/NAME/3, "
+                    "runs:/ID/model). Several: their probabilities averaged.",
+    )
+    student: ModelConfig = Field(default_factory=ModelConfig, title="Student", description="The student's family and sizes (any family; by default the TextCNN).")
+    train: TrainConfig = Field(default_factory=TrainConfig, title="Student training",
+                                 description="How the student is trained (the same DDP worker, resumable like training).")
+    temperature: float = Field(2.0, gt=0, le=100, allow_inf_nan=False, title="Temperature",
+                               description="Softens teacher and student probabilities in the distillation term (T; the term is scaled by T squared).")
+    alpha: float = Field(0.7, ge=0, le=1, title="Alpha",
+                         description="Weight of the distillation term; 1 - alpha weighs the cross-entropy on the labels.")
+    teacher_folds: int = Field(5, ge=2, le=20, title="Baseline teacher folds",
+                               description="The baseline teacher's cross-fitting: each train text's probabilities come from a fit on the other folds.")
+
+    @field_validator("teacher")
+    @classmethod
+    def _teacher(cls, v: list[str]) -> list[str]:
+        for t in v:
+            if t not in TEACHER_KINDS and not t.startswith(MODEL_URI_PREFIXES):
+                raise ValueError(f"{t!r} is neither {' nor '.join(TEACHER_KINDS)} nor a model URI ({', '.join(MODEL_URI_PREFIXES)}...)")
+        if len(set(v)) != len(v):
+            raise ValueError("each teacher at most once")
         return v
 
 
@@ -365,8 +403,18 @@ class PipelineConfig(_Section):
     prune: PruneConfig = Field(default_factory=PruneConfig, title="Pruning", description="Pruning and fine-tuning.")
     linear: LinearConfig = Field(default_factory=LinearConfig, title="Linear model", description="The linear candidate.")
     select: SelectConfig = Field(default_factory=SelectConfig, title="Model selection", description="Which candidates compete.")
+    distill: DistillConfig = Field(default_factory=DistillConfig, title="Distillation", description="A student taught by a teacher's probabilities.")
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, title="Evaluation", description="Test-set evaluation.")
     registry: RegistryConfig = Field(default_factory=RegistryConfig, title="Registry", description="MLflow model registry.")
+
+    @model_validator(mode="after")
+    def _distill_teacher(self) -> "PipelineConfig":
+        if not self.select.candidates and not self.distill.enabled:
+            raise ValueError("select.candidates: list at least one (neural, linear, ensemble), or enable distill")
+        if self.distill.enabled and "trained" in self.distill.teacher and "neural" not in self.select.candidates:
+            raise ValueError("distill.teacher 'trained' is the run's neural model: keep neural in select.candidates, "
+                             "or choose another teacher")
+        return self
 
 
 ExperimentName = Annotated[str, Field(min_length=1, max_length=200)]
@@ -374,6 +422,10 @@ ExperimentName = Annotated[str, Field(min_length=1, max_length=200)]
 
 class ConfigError(ValueError):
     """A user-facing configuration error that names the field."""
+
+
+class DistillError(ConfigError):
+    """A teacher that cannot teach this data (its labels, its output, a URI that names no model); names the teacher."""
 
 
 def _describe(err: ValidationError, prefix: str = "") -> str:

@@ -21,5 +21,8 @@ class WorkerJob(_Section):
     keep_sparsity: bool = Field(False, description="Keep zero weights of init_checkpoint at zero (pruning masks).")
     mlflow_run_id: Optional[str] = Field(None, description="MLflow run that rank 0 logs into.")
     epochs_setting: str = Field("train.epochs", description="The setting that gave train.epochs (named when it stops training).")
+    teacher_probs: Optional[str] = Field(None, description="Distillation: the teacher's probabilities of every train row (.npy).")
+    temperature: float = Field(1.0, gt=0, description="Distillation temperature (distill.temperature).")
+    alpha: float = Field(0.0, ge=0, le=1, description="Weight of the distillation term (distill.alpha).")
     deadline: Optional[float] = Field(None, description="Unix time by which training ends (train.timeout_minutes): "
                                                         "no epoch starts that would end after it.")

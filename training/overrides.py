@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from training.config import ConfigError, PipelineConfig, validate
 
@@ -32,26 +32,37 @@ def _parse_value(raw: str, annotation: Any) -> Any:
     return raw
 
 
-def _field(key: str, given: str):
-    """The (section, field, annotation) ``key`` names (``train.lr``), or ConfigError saying what there is."""
+def setting_field(key: str, given: str) -> tuple[list[str], Any]:
+    """The path and annotation of the field ``key`` names (``train.lr``, ``distill.student.name``), or ConfigError
+    saying what there is."""
     parts = key.strip().split(".")
-    if len(parts) != 2:
+    if len(parts) < 2:
         raise ConfigError(f"{given}: expected section.key=value, e.g. train.lr=3e-4")
-    section, field = parts
-    if section not in PipelineConfig.model_fields:
-        raise ConfigError(f"unknown section {section!r} in {given}; sections: {', '.join(PipelineConfig.model_fields)}")
-    section_cls = PipelineConfig.model_fields[section].annotation
-    if field not in section_cls.model_fields:
-        raise ConfigError(f"unknown field {key!r} in {given}; {section} has: {', '.join(section_cls.model_fields)}")
-    return section, field, section_cls.model_fields[field].annotation
+    if parts[0] not in PipelineConfig.model_fields:
+        raise ConfigError(f"unknown section {parts[0]!r} in {given} (not a setting); sections: {', '.join(PipelineConfig.model_fields)}")
+    cls = PipelineConfig.model_fields[parts[0]].annotation
+    for depth, name in enumerate(parts[1:], 1):
+        where = ".".join(parts[:depth])
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+            raise ConfigError(f"unknown field {key!r} in {given}: {where} is a value, not a section")
+        if name not in cls.model_fields:
+            raise ConfigError(f"unknown field {key!r} in {given}: {where} has no setting {name!r}; it has: {', '.join(cls.model_fields)}")
+        cls = cls.model_fields[name].annotation
+    if isinstance(cls, type) and issubclass(cls, BaseModel):
+        raise ConfigError(f"{given}: {key} is a section; set one of its fields: {', '.join(cls.model_fields)}")
+    return parts, cls
 
 
 def apply_settings(config: PipelineConfig, values: dict[str, Any]) -> PipelineConfig:
-    """``{"train.lr": 3e-4, ...}`` (values as the fields take them) applied to ``config``, validated once."""
+    """``{"train.lr": 3e-4, "distill.student.name": "bilstm", ...}`` (values as the fields take them) applied to
+    ``config``, validated once."""
     data = config.model_dump()
     for key, value in values.items():
-        section, field, _ = _field(key, repr(key))
-        data[section][field] = value
+        parts, _ = setting_field(key, repr(key))
+        node = data
+        for name in parts[:-1]:
+            node = node[name]
+        node[parts[-1]] = value
     return validate(data)
 
 
@@ -63,6 +74,6 @@ def apply_overrides(config: PipelineConfig, overrides: list[str]) -> PipelineCon
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.lr=3e-4")
         key, raw = item.split("=", 1)
-        section, field, annotation = _field(key, f"--set {item!r}")
-        values[f"{section}.{field}"] = _parse_value(raw.strip(), annotation)
+        parts, annotation = setting_field(key, f"--set {item!r}")
+        values[".".join(parts)] = _parse_value(raw.strip(), annotation)
     return apply_settings(config, values)

@@ -9,17 +9,22 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from training.config import (DataConfig, EvaluateConfig, ModelConfig, PipelineConfig, PreprocessConfig,
+from pydantic import BaseModel
+
+from training.config import (DataConfig, DistillConfig, EvaluateConfig, ModelConfig, PipelineConfig, PreprocessConfig,
                              PruneConfig, TrainConfig, validate)
 
 def tiny() -> PipelineConfig:
     """Seconds: a small subset and a small model, for tests and smoke runs."""
+    model = ModelConfig(embed_dim=32, num_filters=16, kernel_sizes=[2, 3])
+    train = TrainConfig(epochs=4, batch_size=32, lr=5e-3, patience=4, log_every=5)
     return PipelineConfig(
         data=DataConfig(max_samples=600),
         preprocess=PreprocessConfig(min_freq=1, max_len=64, num_workers=1),
-        model=ModelConfig(embed_dim=32, num_filters=16, kernel_sizes=[2, 3]),
-        train=TrainConfig(epochs=4, batch_size=32, lr=5e-3, patience=4, log_every=5),
+        model=model,
+        train=train,
         prune=PruneConfig(amount=0.5, finetune_epochs=1),
+        distill=DistillConfig(student=model, train=train),  # the student: the preset's TextCNN, trained as it is
     )
 
 
@@ -27,15 +32,19 @@ def default() -> PipelineConfig:
     """Minutes on a 2-core CPU: the whole built-in corpus. Word and character input, batches of 32: the best mean
     validation macro-F1 over four datasets of other domains, lengths and class counts (BENCHMARKS.md, default
     settings)."""
-    return PipelineConfig(model=ModelConfig(input="both"), train=TrainConfig(batch_size=32))
+    model, train = ModelConfig(input="both"), TrainConfig(batch_size=32)
+    return PipelineConfig(model=model, train=train, distill=DistillConfig(student=model, train=train))
 
 
 def gpu() -> PipelineConfig:
     """A wider model and larger batches for a CUDA machine."""
+    model = ModelConfig(embed_dim=300, num_filters=256, kernel_sizes=[2, 3, 4, 5])
+    train = TrainConfig(epochs=10, batch_size=256, lr=1e-3, patience=3)
     return PipelineConfig(
         preprocess=PreprocessConfig(max_len=256, num_workers=8),
-        model=ModelConfig(embed_dim=300, num_filters=256, kernel_sizes=[2, 3, 4, 5]),
-        train=TrainConfig(epochs=10, batch_size=256, lr=1e-3, patience=3),
+        model=model,
+        train=train,
+        distill=DistillConfig(student=model, train=train),
         prune=PruneConfig(finetune_epochs=2),
         evaluate=EvaluateConfig(batch_size=1024),
     )
@@ -53,6 +62,7 @@ def finetune() -> PipelineConfig:
         model=ModelConfig(name="pretrained", pretrained=FINETUNE_CHECKPOINT),
         train=TrainConfig(epochs=4, batch_size=32, lr=3e-5, schedule="linear", warmup_ratio=0.1, patience=2),
         prune=PruneConfig(finetune_lr=3e-5),
+        distill=default().distill,  # the fine-tuned encoder teaches the default preset's TextCNN
     )
 
 
@@ -97,11 +107,20 @@ def preset(name: str, model: str | None = None) -> PipelineConfig:
 PresetName = Literal["tiny", "default", "gpu", "finetune"]
 
 
-def typed(config: PipelineConfig) -> dict[str, dict[str, Any]]:
-    """The settings given when ``config`` was built (pydantic's ``model_fields_set``), by section: what a person typed
-    into the Prefect form or ``--param config=...``, not the values the schema would fill in."""
-    return {section: {key: getattr(getattr(config, section), key) for key in getattr(config, section).model_fields_set}
-            for section in config.model_fields_set}
+def typed(config: BaseModel) -> dict[str, Any]:
+    """The settings given when ``config`` was built (pydantic's ``model_fields_set``), nested like the config (a section
+    within a section, ``distill.student``, as its own typed fields): what a person typed into the Prefect form or
+    ``--param config=...``, not the values the schema would fill in."""
+    return {key: typed(value) if isinstance(value := getattr(config, key), BaseModel) else value
+            for key in config.model_fields_set}
+
+
+def _merge(into: dict[str, Any], given: dict[str, Any]) -> None:
+    for key, value in given.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 def on_preset(config: PipelineConfig | None, name: str | None) -> PipelineConfig:
@@ -114,6 +133,5 @@ def on_preset(config: PipelineConfig | None, name: str | None) -> PipelineConfig
         return config
     given = typed(config)
     data = preset(name, given.get("model", {}).get("name")).model_dump()
-    for section, values in given.items():
-        data[section].update(values)
+    _merge(data, given)
     return validate(data)

@@ -19,7 +19,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from training.config import ConfigError, PipelineConfig, validate
+from training.config import ConfigError, PipelineConfig
+from training.overrides import apply_settings, setting_field
 
 DEFAULT_SPACE: dict[str, dict] = {
     "model.name": {"choices": ["textcnn", "bilstm"]},
@@ -48,14 +49,11 @@ class SpaceError(ConfigError):
 
 
 def _field(name: str):
-    section, _, key = name.partition(".")
-    if section not in PipelineConfig.model_fields or not key:
-        raise SpaceError(f"{name!r}: not a setting; use section.key names such as train.lr (sections: "
-                         f"{', '.join(PipelineConfig.model_fields)})")
-    fields = PipelineConfig.model_fields[section].annotation.model_fields
-    if key not in fields:
-        raise SpaceError(f"{name!r}: {section} has no setting {key!r}; it has: {', '.join(fields)}")
-    return fields[key]
+    """The annotation of the setting ``name`` (``train.lr``, ``distill.student.dropout``)."""
+    try:
+        return setting_field(name, repr(name))[1]
+    except ConfigError as err:
+        raise SpaceError(f"{err}; a search space names settings such as train.lr") from None
 
 
 def check_space(space: dict[str, Any], source: str = "search space") -> dict[str, dict]:
@@ -115,7 +113,7 @@ def load_space(path: str | Path) -> dict[str, dict]:
 
 
 def _is_int(name: str, spec: dict) -> bool:
-    annotation = str(_field(name).annotation)
+    annotation = str(_field(name))
     return "int" in annotation and "float" not in annotation and all(isinstance(spec[k], int) for k in ("low", "high"))
 
 
@@ -150,8 +148,4 @@ def grid(space: dict[str, dict]) -> dict[str, list]:
 
 def apply_params(config: PipelineConfig, params: dict[str, Any]) -> PipelineConfig:
     """``config`` with the trial's settings (validated; a bad combination raises ConfigError naming the field)."""
-    data = config.model_dump()
-    for name, value in params.items():
-        section, key = name.split(".", 1)
-        data[section][key] = value
-    return validate(data)
+    return apply_settings(config, params)

@@ -32,6 +32,7 @@ from training import distributed
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.data.dataset import to_device
 from training.data.prepare import load_manifest
+from training.distill import WithTeacher, kd_loss
 from training.evaluate import autocast, autocast_dtype, open_split, predict_proba
 from training.events import EVENTS_FILE, EventWriter
 from training.job import WorkerJob
@@ -146,6 +147,8 @@ class Trainer:
             self.model = torch.compile(self.model)
 
         self.train_set = open_split(job.prepared_dir, "train", job.model, job.max_len, self.sizes)
+        if job.teacher_probs:  # distillation: each batch also carries the teacher's probabilities of its rows
+            self.train_set = WithTeacher(self.train_set, np.load(job.teacher_probs))
         self.val_set = open_split(job.prepared_dir, "val", job.model, job.max_len, self.sizes)
         self.class_weights = None
         if job.train.class_weights == "balanced":
@@ -236,7 +239,7 @@ class Trainer:
         n_batches, seen = len(self.loader), 0
         window, in_window, loss_sum, n_losses = None, 0, 0.0, 0  # losses stay on the device until they are printed
         started, report_every = time.perf_counter(), max(1, n_batches // 10)
-        for i, (inputs, labels) in enumerate(self.loader, 1):
+        for i, (inputs, labels, *teacher) in enumerate(self.loader, 1):
             if self._past_deadline(ahead=self._val_s):  # the budget runs out mid-epoch: validate what there is, in time
                 n_batches = i - 1
                 break
@@ -247,7 +250,11 @@ class Trainer:
             with sync:
                 with autocast(t.precision, self.info.device):
                     logits = self.model(inputs).float()
-                loss = F.cross_entropy(logits, labels, weight=self.class_weights, label_smoothing=t.label_smoothing)
+                if teacher:
+                    loss = kd_loss(logits, teacher[0].to(self.info.device, non_blocking=True), labels, self.job.temperature,
+                                   self.job.alpha, self.class_weights, t.label_smoothing)
+                else:
+                    loss = F.cross_entropy(logits, labels, weight=self.class_weights, label_smoothing=t.label_smoothing)
                 self.scaler.scale(loss / t.grad_accum).backward()
             window = loss.detach() if window is None else window + loss.detach()
             in_window += 1

@@ -1,0 +1,233 @@
+"""Knowledge distillation: the loss, the teachers (checkpoint, cross-fitted TF-IDF, served model URI) and their cache,
+the distill stage in `zhflow run` and `zhflow distill`, and what is refused before any training."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import sentiment_rows, write_csv
+from tests.test_pretrained import _zhflow
+from training.config import ConfigError, DistillError, validate
+from training.data.prepare import prepare_dataset
+from training.distill import (WithTeacher, baseline_teacher, kd_loss, pyfunc_teacher, soften, transfer_texts)
+from training.evaluate import open_split
+from training.overrides import apply_overrides
+from training.presets import on_preset, tiny
+
+@pytest.fixture(scope="module")
+def reviews(tmp_path_factory) -> Path:
+    return write_csv(tmp_path_factory.mktemp("data") / "reviews.csv", sentiment_rows(40))
+
+
+@pytest.fixture(scope="module")
+def prepared(reviews, tmp_path_factory) -> Path:
+    cfg = apply_overrides(tiny(), [f"data.dataset={reviews}", "data.max_samples=null", "augment.enabled=true"])
+    out = tmp_path_factory.mktemp("prepared") / "p"
+    prepare_dataset(cfg.data, cfg.preprocess, out, augment=cfg.augment)
+    return out
+
+
+def test_the_loss_is_cross_entropy_at_alpha_0_and_zero_when_the_student_agrees_at_alpha_1():
+    torch.manual_seed(0)
+    logits, labels = torch.randn(8, 3), torch.randint(0, 3, (8,))
+    teacher = torch.softmax(torch.randn(8, 3), 1)
+    assert torch.allclose(kd_loss(logits, teacher, labels, 2.0, 0.0), F.cross_entropy(logits, labels))
+    # a student whose logits are the teacher's log-probabilities agrees at every temperature
+    agreeing = torch.log(teacher)
+    for t in (1.0, 2.0, 5.0):
+        assert kd_loss(agreeing, teacher, labels, t, 1.0).abs() < 1e-5
+    assert torch.allclose(soften(teacher, 1.0), teacher, atol=1e-6)
+    assert (soften(teacher, 4.0).max(1).values < teacher.max(1).values).all()  # a higher temperature: flatter
+    # the T^2 factor: the soft term's gradient keeps its scale as T grows (Hinton et al.)
+    grads = []
+    for t in (2.0, 8.0):
+        z = logits.clone().requires_grad_()
+        kd_loss(z, teacher, labels, t, 1.0).backward()
+        grads.append(z.grad.norm().item())
+    assert 0.2 < grads[1] / grads[0] < 5
+    # unlabelled rows (label -1) get the soft term only; a batch of only those has no hard term at all
+    unlabelled = torch.full((8,), -1)
+    assert torch.allclose(kd_loss(logits, teacher, unlabelled, 2.0, 0.5), 0.5 * kd_loss(logits, teacher, unlabelled, 2.0, 1.0))
+
+
+def test_batches_carry_the_teachers_probabilities_of_their_own_rows(prepared):
+    cfg = tiny()
+    split = open_split(prepared, "train", cfg.model, cfg.preprocess.max_len)
+    probs = np.random.default_rng(0).dirichlet([1, 1], size=len(split)).astype(np.float32)
+    data = WithTeacher(split, probs)
+    rows = [5, 0, 17]
+    inputs, labels, teacher = data.collate([data[i] for i in rows])
+    assert torch.equal(teacher, torch.from_numpy(probs[rows]))
+    assert labels.tolist() == [int(split.labels[i]) for i in rows]
+    with pytest.raises(DistillError, match="rows"):
+        WithTeacher(split, probs[:-1])
+
+
+def test_augmented_copies_are_in_the_transfer_set_as_texts(prepared):
+    texts = transfer_texts(prepared)
+    assert len(texts) == len(np.load(prepared / "train.labels.npy")) and texts["augmented"].any()
+    assert not texts.loc[texts["augmented"], "text"].str.contains(" ").any()  # tokens joined back into a text
+
+
+def test_the_baseline_teacher_is_cross_fitted_on_train_only(prepared):
+    labels = np.load(prepared / "train.labels.npy")
+    probs, info, fitted = baseline_teacher(prepared, labels, 2, folds=4, seed=1)
+    assert probs.shape == (len(labels), 2) and np.allclose(probs.sum(1), 1, atol=1e-5)
+    assert info["folds"] == 4 and info["C"] in (1.0, 10.0, 100.0)
+    assert info["oof_accuracy"] > 0.75  # templated reviews: a cross-fitted model that learned nothing is near 0.5
+    # out-of-fold: less sure of its train texts than the same model fitted on all of them
+    texts = transfer_texts(prepared)["clean"].tolist()
+    in_fold = fitted.predict_proba(texts)
+    assert probs.max(1).mean() < in_fold.max(1).mean()
+    # it never saw val or test: the fitted vocabulary has no n-gram found only there
+    seen = set(fitted[0].vocabulary_)
+    val_only = set("".join(transfer_texts(prepared, "test")["clean"])) - set("".join(texts))
+    assert not (val_only & seen)
+
+
+def test_a_served_teacher_is_read_in_this_datas_label_order_and_other_labels_are_refused():
+    def predict(frame):
+        n = len(frame)
+        return pd.DataFrame({"label": ["b"] * n, "prob_b": [0.9] * n, "prob_a": [0.1] * n})
+
+    probs = pyfunc_teacher(predict, "models:/m/1", ["x", "y", "z"], ["a", "b"], batch_size=2)
+    assert np.allclose(probs, [[0.1, 0.9]] * 3)
+    with pytest.raises(DistillError, match=r"models:/m/1: its labels \['a', 'b'\] are not this data's labels \['a', 'c'\]"):
+        pyfunc_teacher(predict, "models:/m/1", ["x"], ["a", "c"])
+
+
+def test_the_settings_refuse_what_cannot_teach():
+    with pytest.raises(ConfigError, match="distill.teacher.*'bert' is neither"):
+        validate({"distill": {"teacher": ["bert"]}})
+    with pytest.raises(ConfigError, match="keep neural in select.candidates"):
+        validate({"distill": {"enabled": True, "teacher": ["trained"]}, "select": {"candidates": ["linear"]}})
+    with pytest.raises(ConfigError, match="list at least one"):
+        validate({"select": {"candidates": []}})
+    assert validate({"distill": {"enabled": True, "teacher": ["baseline"]}, "select": {"candidates": []}}).distill.enabled
+    # a nested setting, as --set and the Prefect form give it; the preset fills the rest of the student
+    cfg = apply_overrides(tiny(), ["distill.student.name=bilstm", "distill.train.lr=0.01", "distill.temperature=4"])
+    assert (cfg.distill.student.name, cfg.distill.train.lr, cfg.distill.temperature) == ("bilstm", 0.01, 4.0)
+    typed = on_preset(validate({"distill": {"student": {"dropout": 0.1}}}), "tiny")
+    assert typed.distill.student.dropout == 0.1 and typed.distill.student.embed_dim == tiny().distill.student.embed_dim
+    with pytest.raises(ConfigError, match="distill.student is a section"):
+        apply_overrides(tiny(), ["distill.student=textcnn"])
+
+
+TINY = ["--preset", "tiny", "--set", "data.max_samples=null", "--set", "train.epochs=6", "--set", "train.patience=6",
+        "--set", "distill.train.epochs=6", "--set", "distill.train.patience=6", "--set", "prune.amount=0"]
+
+
+@pytest.mark.slow
+def test_a_run_distils_a_student_and_zhflow_distill_learns_from_a_registered_model(reviews, tmp_path):
+    from mlflow.tracking import MlflowClient
+    import mlflow
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {"MLFLOW_TRACKING_URI": store}
+    out = tmp_path / "run.json"
+    run = _zhflow(["run", *TINY, "--dataset", str(reviews), "--distill", "baseline,trained", "--json-out", str(out)], tmp_path, env)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    summary = json.loads(out.read_text())
+    assert "distilled" in summary["candidates"]
+    m = summary["metrics"]
+    assert m["distill_distilled_test_macro_f1"] > 0.8  # templated reviews: a student that learned nothing is ~0.33-0.5
+    # the run's own TextCNN is the same student trained alone: compared, not trained twice
+    for key in ("teacher_test_macro_f1", "alone_test_macro_f1", "alone_latency_b64_p50_ms", "distilled_params",
+                "distilled_file_bytes", "distilled_latency_b1_p95_ms"):
+        assert f"distill_{key}" in m
+    assert m["distill_alone_test_macro_f1"] == m["trained_test_macro_f1"]
+    assert "distilled" in run.stdout or "distill" in run.stdout
+
+    mlflow.set_tracking_uri(store)
+    try:
+        client = MlflowClient()
+        distill_run = client.get_run(summary["stage_runs"]["distill"])
+        children = client.search_runs([distill_run.info.experiment_id], f"tags.mlflow.parentRunId = '{distill_run.info.run_id}'")
+        assert {r.data.tags["zhflow.stage"] for r in children} == {"train_student", "evaluate_student"}
+        assert distill_run.info.status == "FINISHED" and distill_run.data.params["distill.teacher"] == "['baseline', 'trained']"
+        table = mlflow.artifacts.load_text(f"runs:/{distill_run.info.run_id}/comparison.md")
+        assert "textcnn distilled" in table and "teacher (baseline + trained)" in table
+        (student_train,) = [r for r in children if r.data.tags["zhflow.stage"] == "train_student"]
+        assert float(student_train.data.params["distill.alpha"]) == 0.7
+        uri = summary["model"]["uri"]
+    finally:
+        mlflow.set_tracking_uri(None)
+
+    # zhflow distill: the registered model and the baseline teach; the baseline's probabilities come from the cache
+    out2 = tmp_path / "distill.json"
+    again = _zhflow(["distill", *TINY, "--dataset", str(reviews), "--teacher", f"baseline,{uri}", "--json-out", str(out2)],
+                    tmp_path, env)
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
+    second = json.loads(out2.read_text())
+    assert set(second["candidates"]) == {"distilled"} and second["selected"] == "distilled"
+    assert second["metrics"]["distill_distilled_test_macro_f1"] > 0.8
+    mlflow.set_tracking_uri(store)
+    try:
+        client = MlflowClient()
+        distill_run = client.get_run(second["stage_runs"]["distill"])
+        teachers = json.loads(distill_run.data.tags["teachers"])
+        assert [t["cached"] for t in teachers] == [True, False]  # the baseline's from the first run; the URI's new
+        stages = {r.data.tags["zhflow.stage"] for r in client.search_runs(
+            [distill_run.info.experiment_id], f"tags.mlflow.parentRunId = '{distill_run.info.run_id}'")}
+        assert stages == {"train_alone", "evaluate_alone", "train_student", "evaluate_student"}  # nothing to compare with
+        version = client.get_model_version(second["model"]["name"], second["model"]["version"])
+        assert version.tags["teacher"] == f"baseline,{uri}" and float(version.tags["teacher_test_macro_f1"]) > 0.8
+    finally:
+        mlflow.set_tracking_uri(None)
+
+    # a teacher of other labels: refused after preprocessing, before any training, naming both label sets
+    relabelled = write_csv(tmp_path / "stars.csv", [(t, {"positive": "5星", "negative": "1星"}[l]) for t, l in sentiment_rows(40)])
+    refused = _zhflow(["distill", *TINY, "--dataset", str(relabelled), "--teacher", uri], tmp_path, env)
+    assert refused.returncode != 0
+    assert "['negative', 'positive'] are not this data's labels ['1星', '5星']" in refused.stderr
+    mlflow.set_tracking_uri(store)
+    try:
+        client = MlflowClient()
+        trained = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                     "tags.`zhflow.stage` = 'train_alone'")
+        assert len(trained) == 1  # only the second run's
+    finally:
+        mlflow.set_tracking_uri(None)
+    missing = _zhflow(["distill", *TINY, "--dataset", str(reviews), "--teacher", "models:/no-such-model/1"], tmp_path, env)
+    assert missing.returncode == 2 and "zhflow: error: distill.teacher models:/no-such-model/1: cannot load it" in missing.stderr
+
+
+@pytest.mark.slow
+def test_a_tokenizer_teacher_teaches_a_jieba_word_student(tiny_bert, reviews, tmp_path):
+    """The fine-tuned encoder reads its tokenizer's ids, the TextCNN student jieba words: one prepared folder holds
+    both, and the student's served model needs jieba while the teacher's did not."""
+    import mlflow
+
+    out = tmp_path / "run.json"
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    run = _zhflow(["run", "--preset", "tiny", "--pretrained", str(tiny_bert), "--dataset", str(reviews), "--distill", "trained",
+                   "--set", "data.max_samples=null", "--set", "train.lr=2e-3", "--set", "train.epochs=12", "--set", "train.batch_size=8",
+                   "--set", "train.patience=12", "--set", "train.schedule=constant", "--set", "prune.amount=0",
+                   "--set", "preprocess.max_len=24", "--set", "select.candidates=neural", "--set", "distill.student.input=word",
+                   "--set", "distill.train.epochs=8", "--set", "distill.train.patience=8", "--set", "distill.alpha=0.9",
+                   "--json-out", str(out)], tmp_path, env=env, timeout=1200)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    summary = json.loads(out.read_text())
+    m = summary["metrics"]
+    assert m["distill_teacher_test_macro_f1"] > 0.8 and m["distill_distilled_test_macro_f1"] > 0.8
+    assert m["distill_speedup_b64_vs_teacher"] > 0  # the teacher is a checkpoint: timed like the student
+    assert {"alone", "distilled"} <= {k.split("_")[1] for k in m if k.startswith("distill_")}
+    mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
+    try:
+        client = mlflow.MlflowClient()
+        distilled_eval = client.get_run(summary["stage_runs"]["distilled"])
+        checkpoint = distilled_eval.data.tags["checkpoint"]
+        assert torch.load(checkpoint, weights_only=True)["model_config"]["name"] == "textcnn"
+        # registered as it would be if it wins: a pyfunc of the student, with jieba (it reads words), no transformers
+        from tasks.register import _requirements
+        from training.presets import preset
+
+        reqs = _requirements(preset("tiny", "pretrained"), {"kind": "neural", "model": {"name": "textcnn", "input": "word"}})
+        assert any(r.startswith("jieba==") for r in reqs) and not any(r.startswith("transformers==") for r in reqs)
+    finally:
+        mlflow.set_tracking_uri(None)
