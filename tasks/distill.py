@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from pathlib import Path
 
 import mlflow
@@ -23,9 +24,9 @@ from sklearn.metrics import accuracy_score, f1_score
 import training.distill
 from training.config import DistillConfig, PipelineConfig, flatten
 from training.data.prepare import load_manifest
-from training.distill import (DistillError, baseline_teacher, check_teacher_labels, checkpoint_teacher, pyfunc_teacher,
-                              served_labels, transfer_texts)
+from training.distill import DistillError, baseline_teacher, check_teacher_labels, pyfunc_teacher, served_labels, transfer_texts
 from training.measure import measure_checkpoint
+from tasks.register import served_classifier
 from tasks.train import launch_worker
 from tasks.tracking import stage_run, work_root
 
@@ -73,17 +74,23 @@ def _teacher_cache_key(ctx, params: dict) -> str:
 
 @task(name="teacher-probabilities", persist_result=True, cache_policy=CacheKeyFnPolicy(cache_key_fn=_teacher_cache_key))
 def teacher_probabilities(teacher: str, identity: str, prepared_dir: str, out_dir: str, config: PipelineConfig,
-                          trained_checkpoint: str | None = None) -> dict:
-    """One teacher's probabilities for every row of each split (train: the transfer set), saved as .npy in
-    ``out_dir``; cached on (teacher identity, prepared folder): a second run with the same teacher reads them."""
+                          trained_checkpoint: str | None = None, teacher_dir: str | None = None) -> dict:
+    """One teacher's probabilities for every row of each split of the student's folder ``prepared_dir`` (train: the
+    transfer set), saved as .npy in ``out_dir``; cached on (teacher identity, that folder): a second run with the same
+    teacher reads them. ``teacher_dir``: the folder the trained teacher was trained on (its vocabularies)."""
     manifest = load_manifest(prepared_dir)
     labels = manifest["labels"]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     info: dict = {"teacher": teacher}
     probs: dict[str, np.ndarray] = {}
-    if teacher == "trained":
-        probs = checkpoint_teacher(trained_checkpoint, prepared_dir, config.preprocess.max_len, config.evaluate.batch_size, SPLITS)
+    if teacher == "trained":  # served as it will be: its own vocabularies (those of the folder it was trained on)
+        with tempfile.TemporaryDirectory() as tmp:
+            classifier, _ = served_classifier(config, {"kind": "neural", "checkpoint": trained_checkpoint},
+                                              {"path": teacher_dir}, Path(tmp))
+            for split in SPLITS:
+                probs[split] = pyfunc_teacher(lambda frame: classifier.predict(None, frame), teacher,
+                                              transfer_texts(prepared_dir, split)["text"].tolist(), labels)
     elif teacher == "baseline":
         y = np.load(Path(prepared_dir) / "train.labels.npy")
         probs["train"], info_fit, fitted = baseline_teacher(prepared_dir, y, len(labels), config.distill.teacher_folds,
@@ -108,8 +115,10 @@ def _scores(probs: np.ndarray, labels: np.ndarray) -> dict[str, float]:
 
 
 @task(name="teachers")
-def teachers(config: PipelineConfig, prepared: dict, parent: dict, trained_checkpoint: str | None) -> dict:
-    """Every teacher's probabilities (cached), averaged; their scores on val and test, in the distill run."""
+def teachers(config: PipelineConfig, prepared: dict, parent: dict, trained_checkpoint: str | None,
+             teacher_prepared: dict | None = None) -> dict:
+    """Every teacher's probabilities for the student's folder ``prepared`` (cached), averaged; their scores on val and
+    test. ``teacher_prepared``: the folder the trained teacher learnt from (default ``prepared``)."""
     logger = get_run_logger()
     labels = load_manifest(prepared["path"])["labels"]
     check_teachers(config.distill, labels)
@@ -121,7 +130,8 @@ def teachers(config: PipelineConfig, prepared: dict, parent: dict, trained_check
         folder = root / key
         fresh = not all((folder / f"{s}.npy").is_file() for s in SPLITS)  # the files are gone: the cache entry is stale
         state = teacher_probabilities.with_options(refresh_cache=fresh)(
-            teacher, identity, prepared["path"], str(folder), config, trained_checkpoint, return_state=True)
+            teacher, identity, prepared["path"], str(folder), config, trained_checkpoint,
+            (teacher_prepared or prepared)["path"], return_state=True)
         result = state.result()
         got.append(result | {"cached": state.name == "Cached"})
         logger.info("teacher %s: probabilities %s", teacher, "from the cache" if state.name == "Cached" else "computed")
@@ -174,7 +184,7 @@ def distill_report(config: PipelineConfig, prepared: dict, distill_parent: dict,
         rows["teacher"] |= _cost(trained["best_checkpoint"], prepared, config, threads)
     for name, evaluated in (("alone", alone), ("distilled", distilled)):
         rows[name] = {k: evaluated["metrics"][k] for k in ("test_macro_f1", "test_accuracy", "val_macro_f1")}
-        rows[name] |= _cost(evaluated["checkpoint"], prepared, config, threads)
+        rows[name] |= _cost(evaluated["checkpoint"], {"path": evaluated.get("prepared_dir") or prepared["path"]}, config, threads)
     metrics = {f"{name}_{k}": float(v) for name, row in rows.items() for k, v in row.items()}
     if "latency_b64_p50_ms" in rows["teacher"]:
         metrics["speedup_b64_vs_teacher"] = rows["teacher"]["latency_b64_p50_ms"] / rows["distilled"]["latency_b64_p50_ms"]

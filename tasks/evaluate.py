@@ -39,7 +39,7 @@ def evaluate_model(config: PipelineConfig, checkpoint: str, prepared: dict, pare
         mlflow.set_tag("checkpoint", checkpoint)
         saved = save_probs(Path(parent["work_dir"]) / stage, {split: p for split, (p, _) in probs.items()})
         return {"kind": "neural", "metrics": metrics, "run_id": run.info.run_id, "checkpoint": checkpoint, "probs": saved,
-                "model": model_cfg.model_dump()}
+                "model": model_cfg.model_dump(), "prepared_dir": prepared["path"]}
 
 
 def save_probs(folder: Path, probs: dict) -> dict[str, str]:

@@ -177,19 +177,28 @@ def _artifacts(config: PipelineConfig, candidate: dict, prepared: dict, manifest
     meta.write_text(json.dumps({"labels": manifest["labels"], "preprocess": config.preprocess.model_dump(), "kind": kind,
                                 "weight": candidate.get("weight", 1.0 if kind == "neural" else 0.0)}, ensure_ascii=False))
     artifacts = {"meta": str(meta)}
+    folder = Path(candidate.get("prepared_dir") or prepared["path"])  # a distilled student's own vocabularies
     if kind in ("neural", "ensemble"):
         checkpoint = tmp / "model.pt"
         shutil.copy(candidate["checkpoint"], checkpoint)
         shutil.copy(candidate["checkpoint"] + ".json", str(checkpoint) + ".json")
         # what the family needs to encode raw text (zhflow's vocabularies, or the model's own tokenizer)
         artifacts |= {"checkpoint": str(checkpoint), "checkpoint_sidecar": str(checkpoint) + ".json",
-                      **family_of(_model_config(config, candidate)).served_artifacts(prepared["path"])}
+                      **family_of(_model_config(config, candidate)).served_artifacts(str(folder))}
     if kind in ("linear", "ensemble"):
-        artifacts |= {"linear": candidate["linear_dir"], "vocab": str(Path(prepared["path"]) / "vocab.json")}
+        artifacts |= {"linear": candidate["linear_dir"], "vocab": str(folder / "vocab.json")}
     for key in ("user_dict", "stopwords_file"):
         if getattr(config.preprocess, key):
             artifacts[key] = getattr(config.preprocess, key)
     return artifacts
+
+
+def served_classifier(config: PipelineConfig, candidate: dict, prepared: dict, tmp: Path) -> tuple[TextClassifier, dict]:
+    """The candidate as it will be served (raw strings in), in this process; and its artifacts (written under ``tmp``)."""
+    artifacts = _artifacts(config, candidate, prepared, load_manifest(prepared["path"]), tmp)
+    classifier = TextClassifier()
+    classifier.load_context(type("Ctx", (), {"artifacts": artifacts})())
+    return classifier, artifacts
 
 
 @task(name="register")
@@ -207,9 +216,7 @@ def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, pare
     with stage_run(parent, "register") as run, tempfile.TemporaryDirectory() as tmp:
         if config.registry.enabled and (earlier := _slot_taken(MlflowClient(), name, slot, {"run_id": run.info.run_id, "kind": kind})):
             return earlier  # checked again under the lock below; this only saves logging a model for nothing
-        artifacts = _artifacts(config, evaluated, prepared, manifest, Path(tmp))
-        classifier = TextClassifier()
-        classifier.load_context(type("Ctx", (), {"artifacts": artifacts})())
+        classifier, artifacts = served_classifier(config, evaluated, prepared, Path(tmp))
         # bf16 where this CPU runs it faster and its labels agree with fp32's on the test texts (checked here)
         test_texts = pd.read_json(Path(prepared["path"]) / "test.jsonl", lines=True)["text"].astype(str).tolist()[:256]
         precision, checked = serving_precision(classifier, test_texts)

@@ -210,6 +210,7 @@ def test_a_tokenizer_teacher_teaches_a_jieba_word_student(tiny_bert, reviews, tm
                    "--set", "train.patience=12", "--set", "train.schedule=constant", "--set", "prune.amount=0",
                    "--set", "preprocess.max_len=24", "--set", "select.candidates=neural", "--set", "distill.student.input=word",
                    "--set", "distill.train.epochs=8", "--set", "distill.train.patience=8", "--set", "distill.alpha=0.9",
+                   "--set", "distill.augment_copies=1",
                    "--json-out", str(out)], tmp_path, env=env, timeout=1200)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     summary = json.loads(out.read_text())
@@ -222,6 +223,13 @@ def test_a_tokenizer_teacher_teaches_a_jieba_word_student(tiny_bert, reviews, tm
         client = mlflow.MlflowClient()
         distilled_eval = client.get_run(summary["stage_runs"]["distilled"])
         checkpoint = distilled_eval.data.tags["checkpoint"]
+        # the transfer set: a folder of its own (augmented copies in train, the same val and test), under the distill run
+        distill_id = summary["stage_runs"]["distill"]
+        (student_data,) = client.search_runs([distilled_eval.info.experiment_id],
+                                             f"tags.mlflow.parentRunId = '{distill_id}' and tags.`zhflow.stage` = 'preprocess'")
+        assert student_data.data.tags["prepared_dir"] != summary["prepared_data"]
+        n = json.loads((Path(summary["prepared_data"]) / "manifest.json").read_text())["splits"]["train"]["n"]
+        assert n < student_data.data.metrics["train_texts"] <= 2 * n  # a copy identical to its text is not added
         assert torch.load(checkpoint, weights_only=True)["model_config"]["name"] == "textcnn"
         # registered as it would be if it wins: a pyfunc of the student, with jieba (it reads words), no transformers
         from tasks.register import _requirements

@@ -369,6 +369,12 @@ class DistillConfig(_Section):
                                description="Softens teacher and student probabilities in the distillation term (T; the term is scaled by T squared).")
     alpha: float = Field(0.7, ge=0, le=1, title="Alpha",
                          description="Weight of the distillation term; 1 - alpha weighs the cross-entropy on the labels.")
+    augment_copies: int = Field(
+        0, ge=0, le=32, title="Augmented copies in the transfer set",
+        description="EDA copies of each train text (the augment settings' probabilities and synonyms) added to what the "
+                    "student learns from, with the teacher's probabilities (and their original's label); 0: the train "
+                    "split alone. The run's own model is trained without them.",
+    )
     teacher_folds: int = Field(5, ge=2, le=20, title="Baseline teacher folds",
                                description="The baseline teacher's cross-fitting: each train text's probabilities come from a fit on the other folds.")
 

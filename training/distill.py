@@ -10,12 +10,14 @@ soft targets by the teacher's entropy, a constant: the same gradients, and a los
 A teacher is anything that gives class probabilities for the student's training texts, one row per row of the
 prepared train split (augmented copies included: they are part of the transfer set):
 
-- :func:`checkpoint_teacher`: a zhflow checkpoint (the run's own trained model) on the prepared split, read with its
-  own inputs (a pretrained family's token ids while the student reads jieba words: one prepared folder holds both);
+- a zhflow checkpoint (the run's own trained model), served as it would be (raw strings in, read with its own
+  vocabulary or tokenizer: a fine-tuned encoder teaches a jieba-word student, and a student whose folder has other
+  vocabularies, augmented copies in its train split, reads the same texts);
 - :func:`baseline_teacher`: TF-IDF character 1-3 grams + logistic regression fitted on the train split only, its
   probabilities for the train texts out-of-fold (scikit-learn's ``cross_val_predict``): a model's probabilities for
   the very texts it was fitted on are mostly its memory of their labels, and teach little beyond them;
-- :func:`pyfunc_teacher`: any MLflow model whose ``predict`` returns ``prob_<label>`` columns, on raw strings.
+- :func:`pyfunc_teacher`: any MLflow model whose ``predict`` returns ``prob_<label>`` columns, on raw strings (the
+  checkpoint above goes through it too).
 
     from training.distill import baseline_teacher, kd_loss
 """
@@ -87,51 +89,49 @@ def transfer_texts(prepared_dir: str | Path, split: str = "train") -> pd.DataFra
                          "clean": np.where(augmented, joined, frame["clean"].astype(str)), "augmented": augmented})
 
 
-def checkpoint_teacher(checkpoint: str, prepared_dir: str | Path, max_len: int, batch_size: int = 256,
-                       splits: tuple[str, ...] = ("train",)) -> dict[str, np.ndarray]:
-    """A zhflow checkpoint's probabilities for every row of each split, read with the checkpoint's own inputs."""
-    from training.evaluate import load_model, open_split, predict_proba
-
-    model, cfg, state = load_model(checkpoint)
-    with torch.inference_mode():
-        return {split: predict_proba(model, open_split(prepared_dir, split, cfg, max_len, state["sizes"]), batch_size).astype(np.float32)
-                for split in splits}
-
-
 BASELINE_TEACHER_C = (1.0, 10.0, 100.0)
 
 
 def baseline_teacher(prepared_dir: str | Path, labels: np.ndarray, num_classes: int, folds: int = 5, seed: int = 13,
                      c_values: tuple[float, ...] = BASELINE_TEACHER_C):
-    """Out-of-fold probabilities of TF-IDF character 1-3 grams + logistic regression for every train row, ``C`` chosen
-    by out-of-fold log-loss (no fit ever sees the validation or test split); what was chosen, for MLflow; and the
-    chosen model fitted on the whole train split (what scores it on validation and test)."""
+    """Probabilities of TF-IDF character 1-3 grams + logistic regression for every train row: out-of-fold for the
+    texts of the split (``C`` chosen by out-of-fold log-loss), from the fit on all of them for augmented copies (new
+    texts to it). No fit ever sees the validation or test split. Also: what was chosen, for MLflow, and the fit on
+    all the split's texts (what scores the teacher on validation and test)."""
     from sklearn.feature_extraction.text import TfidfVectorizer
     from sklearn.linear_model import LogisticRegression
     from sklearn.metrics import log_loss
     from sklearn.model_selection import StratifiedKFold, cross_val_predict
     from sklearn.pipeline import make_pipeline
 
-    texts = transfer_texts(prepared_dir)["clean"].tolist()
-    smallest = int(np.bincount(labels, minlength=num_classes).min())
-    folds = max(2, min(folds, smallest))
+    def model(c: float):
+        return make_pipeline(TfidfVectorizer(analyzer="char", ngram_range=(1, 3), sublinear_tf=True, min_df=2),
+                             LogisticRegression(C=c, max_iter=2000))
+
+    rows = transfer_texts(prepared_dir)
+    texts = rows["clean"].tolist()
+    original = ~rows["augmented"].to_numpy()
+    x, y = [t for t, o in zip(texts, original) if o], labels[original]
+    smallest = int(np.bincount(y, minlength=num_classes).min())
     if smallest < 2:
         raise DistillError(f"the baseline teacher's cross-fitting needs at least 2 train texts of each class; "
                            f"the train split has {smallest} of one")
+    folds = max(2, min(folds, smallest))
     cv = StratifiedKFold(folds, shuffle=True, random_state=seed)
     best = None
     for c in c_values:
-        pipe = make_pipeline(TfidfVectorizer(analyzer="char", ngram_range=(1, 3), sublinear_tf=True, min_df=2),
-                             LogisticRegression(C=c, max_iter=2000))
-        probs = cross_val_predict(pipe, texts, labels, cv=cv, method="predict_proba")
-        loss = float(log_loss(labels, probs, labels=list(range(num_classes))))
+        oof = cross_val_predict(model(c), x, y, cv=cv, method="predict_proba")
+        loss = float(log_loss(y, oof, labels=list(range(num_classes))))
         if best is None or loss < best[0]:
-            best = (loss, c, probs)
-    loss, c, probs = best
-    accuracy = float((probs.argmax(1) == labels).mean())
-    fitted = make_pipeline(TfidfVectorizer(analyzer="char", ngram_range=(1, 3), sublinear_tf=True, min_df=2),
-                           LogisticRegression(C=c, max_iter=2000)).fit(texts, labels)  # for the val and test scores
-    return probs.astype(np.float32), {"C": c, "folds": folds, "oof_log_loss": loss, "oof_accuracy": accuracy}, fitted
+            best = (loss, c, oof)
+    loss, c, oof = best
+    fitted = model(c).fit(x, y)
+    probs = np.zeros((len(texts), num_classes))
+    probs[original] = oof
+    if (~original).any():
+        probs[~original] = fitted.predict_proba([t for t, o in zip(texts, original) if not o])
+    info = {"C": c, "folds": folds, "oof_log_loss": loss, "oof_accuracy": float((oof.argmax(1) == y).mean())}
+    return probs.astype(np.float32), info, fitted
 
 
 def served_labels(columns) -> list[str]:
