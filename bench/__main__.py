@@ -14,11 +14,11 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench import common, datasets, defaults, orchestration, preprocess, pretrained, pruning, quality, sweeps, tracking, training
+from bench import common, datasets, defaults, distill, orchestration, preprocess, pretrained, pruning, quality, sweeps, tracking, training
 from bench.common import machine, verdict
 
 SECTIONS = {"preprocess": preprocess.run, "training": training.run, "datasets": datasets.run, "quality": quality.run, "pruning": pruning.run,
-            "pretrained": pretrained.run, "pretrained_quality": pretrained.run_quality, "orchestration": orchestration.run, "tracking": tracking.run, "sweeps": sweeps.run,
+            "distill": distill.run, "pretrained": pretrained.run, "pretrained_quality": pretrained.run_quality, "orchestration": orchestration.run, "tracking": tracking.run, "sweeps": sweeps.run,
             "defaults": defaults.run}  # in this order
 ON_REQUEST = {"defaults"}  # too long for a plain run (about 45 min): --only defaults
 

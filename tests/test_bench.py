@@ -19,6 +19,7 @@ def test_smoke_bench_writes_every_section(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = out.read_text(encoding="utf-8")
     for heading in ("## Preprocessing", "## Training throughput", "## The default run on every dataset", "## Quality and leakage", "## Pruning",
+                    "## Distillation",
                     "## Pretrained family", "## Pretrained family from scratch",
                     "## Orchestration overhead", "## Tracking cost", "## Sweeps"):
         assert heading in report
