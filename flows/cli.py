@@ -82,6 +82,13 @@ def _data_options(parser: argparse.ArgumentParser) -> None:
                              "save_pretrained folder or a hub id such as hfl/chinese-roberta-wwm-ext")
 
 
+def _distill_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--distill", type=_teachers, metavar="TEACHER[,TEACHER]",
+                        help="also distil a student (distill.student, by default the preset's TextCNN) from trained (the "
+                             "trained model), baseline (TF-IDF + logistic regression) or a model URI; several: averaged")
+    parser.add_argument("--student", help=f"the distilled student's family: {', '.join(MODEL_FAMILIES)} (with --distill)")
+
+
 def _parser() -> argparse.ArgumentParser:
     return build_parser()[0]
 
@@ -97,10 +104,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     run.add_argument("--nproc", type=int, help="DDP processes (default: GPUs, or CPU cores)")
     run.add_argument("--experiment", default="zhflow", help="MLflow experiment (default: zhflow)")
     run.add_argument("--json-out", type=Path, help="write the run summary as JSON here")
-    run.add_argument("--distill", type=_teachers, metavar="TEACHER[,TEACHER]",
-                     help="also distil a student (distill.student, by default the preset's TextCNN) from trained (this "
-                          "run's model), baseline (TF-IDF + logistic regression) or a model URI; several: averaged")
-    run.add_argument("--student", help=f"the distilled student's family: {', '.join(MODEL_FAMILIES)} (with --distill)")
+    _distill_options(run)
     dist = sub.add_parser(
         "distill", help="teach a small student with an existing model's (or the TF-IDF baseline's) probabilities",
         description="Preprocess, then train a student (by default the preset's TextCNN) on the teacher's class probabilities\n"
@@ -153,6 +157,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
         formatter_class=argparse.RawDescriptionHelpFormatter)
     _data_options(sw)
     sw.add_argument("--model", help=f"model family the trials start from: {', '.join(MODEL_FAMILIES)}")
+    _distill_options(sw)
     sw.add_argument("--trials", type=int, default=8, help="trials to run (default 8)")
     sw.add_argument("--sampler", choices=["tpe", "random", "grid"], default="tpe", help="Optuna sampler (default tpe)")
     sw.add_argument("--pruner", choices=["median", "successive_halving", "none"], default="median",

@@ -18,7 +18,7 @@ from training.presets import PresetName, on_preset
 from training.paths import check_config_paths
 from tasks.baseline import baseline_model
 from tasks.candidates import ensemble_candidate, linear_candidate, select_candidate
-from tasks.distill import check_teachers, comparable, distill_report, teachers, train_student
+from tasks.distill import check_teachers, comparable, distil, distill_report, train_student
 from tasks.evaluate import evaluate_model
 from tasks.preprocess import preprocess
 from tasks.prune import prune_report, prune_round
@@ -122,17 +122,12 @@ def distill_stage(config: PipelineConfig, prepared: dict, parent: dict, neural: 
     when it is the same student, else trained here), the distilled student, and the three side by side."""
     distill_parent = open_stage_run(parent, "distill")
     trained = neural["trained"] if neural else None
-    student_data = prepared
-    if config.distill.augment_copies:  # the transfer set: the same splits, augmented copies added to train
-        augment = config.augment.model_copy(update={"enabled": True, "n_aug": config.distill.augment_copies})
-        student_data = preprocess(config.data, config.preprocess, augment, distill_parent, tokenizer_source(config.model))
-    teacher = teachers(config, student_data, distill_parent, trained["best_checkpoint"] if trained else None, prepared)
+    student_data, teacher, student = distil(config, prepared, distill_parent, trained["best_checkpoint"] if trained else None)
     if neural and comparable(config):
         alone = neural["evaluated_trained"]
     else:
         alone_trained = with_limits(train_student, config.distill.train)(config, prepared, distill_parent, None, stage="train_alone")
         alone = evaluate_model(config, alone_trained["best_checkpoint"], prepared, distill_parent, stage="evaluate_alone")
-    student = with_limits(train_student, config.distill.train)(config, student_data, distill_parent, teacher["paths"]["train"])
     distilled = evaluate_model(config, student["best_checkpoint"], student_data, distill_parent, stage="evaluate_student")
     report = distill_report(config, prepared, distill_parent, teacher, trained, alone, distilled)
     teacher_record = {"teacher": ",".join(config.distill.teacher), "teacher_identity": ";".join(t["identity"] for t in teacher["teachers"]),

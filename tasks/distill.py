@@ -27,7 +27,7 @@ from training.data.prepare import load_manifest
 from training.distill import DistillError, baseline_teacher, check_teacher_labels, pyfunc_teacher, served_labels, transfer_texts
 from training.measure import measure_checkpoint
 from tasks.register import served_classifier
-from tasks.train import launch_worker
+from tasks.train import hard_timeout, launch_worker
 from tasks.tracking import stage_run, work_root
 
 SPLITS = ("train", "val", "test")
@@ -150,7 +150,7 @@ def teachers(config: PipelineConfig, prepared: dict, parent: dict, trained_check
 
 @task(name="train_student")
 def train_student(config: PipelineConfig, prepared: dict, parent: dict, teacher_probs: str | None,
-                  stage: str = "train_student") -> dict:
+                  stage: str = "train_student", cpus: int | None = None, gpus: list[int] | None = None) -> dict:
     """The student (``distill.student``, trained as ``distill.train``) by the DDP worker; with ``teacher_probs`` on the
     distillation loss, without it on the labels alone (the student trained alone, for the comparison)."""
     d = config.distill
@@ -159,7 +159,26 @@ def train_student(config: PipelineConfig, prepared: dict, parent: dict, teacher_
         if teacher_probs:
             mlflow.log_params({"distill.temperature": d.temperature, "distill.alpha": d.alpha})
         return launch_worker(stage, config, prepared, run.info.run_id, Path(parent["work_dir"]) / stage,
-                             model=d.student, train=d.train, **extra)
+                             cpus=cpus, gpus=gpus, model=d.student, train=d.train, **extra)
+
+
+def distil(config: PipelineConfig, prepared: dict, parent: dict, trained_checkpoint: str | None,
+           cpus: int | None = None, gpus: list[int] | None = None) -> tuple[dict, dict, dict]:
+    """The student's data (``prepared``, or with ``distill.augment_copies`` a folder of its own with augmented copies in
+    train), the teachers' probabilities of it, and the distilled student trained on them: what the pipeline and a
+    sweep trial share."""
+    from tasks.preprocess import preprocess
+    from training.models import tokenizer_source
+
+    student_data = prepared
+    if config.distill.augment_copies:  # the transfer set: the same splits, augmented copies added to train
+        augment = config.augment.model_copy(update={"enabled": True, "n_aug": config.distill.augment_copies})
+        student_data = preprocess(config.data, config.preprocess, augment, parent, tokenizer_source(config.model))
+    teacher = teachers(config, student_data, parent, trained_checkpoint, prepared)
+    student = train_student.with_options(timeout_seconds=hard_timeout(config.distill.train.timeout_minutes),
+                                         retries=config.distill.train.task_retries, retry_delay_seconds=5)(
+        config, student_data, parent, teacher["paths"]["train"], cpus=cpus, gpus=gpus)
+    return student_data, teacher, student
 
 
 def comparable(config: PipelineConfig) -> bool:

@@ -27,6 +27,7 @@ from prefect.concurrency.sync import concurrency
 from training.config import ConfigError, PipelineConfig, flatten
 from training.models import tokenizer_source
 from training.sweep import apply_params, grid, suggest
+from tasks.distill import distil
 from tasks.preprocess import preprocess
 from tasks.prune import prune_round
 from tasks.tracking import STAGE_TAG, origin_tags, stage_run, work_root
@@ -216,6 +217,9 @@ def _train_trial(base: PipelineConfig, params: dict, trial: optuna.Trial, trial_
         for round_no, amount in enumerate(config.prune.round_amounts(), 1):
             pruned = prune_round(config, checkpoint, prepared, trial_run, round_no, amount, cpus=cpus, gpus=gpus)
             checkpoint, value = pruned["checkpoint"], pruned["best_val_macro_f1"]
+    if config.distill.enabled:  # the trial's model teaches its student; the student is what the trial scores
+        prepared, _, student = distil(config, prepared, trial_run, trained["best_checkpoint"], cpus=cpus, gpus=gpus)
+        checkpoint, value = student["best_checkpoint"], student["best_val_macro_f1"]
     mlflow.log_metric("best_val_macro_f1", value)
     mlflow.set_tag("checkpoint", checkpoint)
     trial.set_user_attr("checkpoint", checkpoint)  # so that a later sweep of the same study can pick it

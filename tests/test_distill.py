@@ -239,3 +239,29 @@ def test_a_tokenizer_teacher_teaches_a_jieba_word_student(tiny_bert, reviews, tm
         assert any(r.startswith("jieba==") for r in reqs) and not any(r.startswith("transformers==") for r in reqs)
     finally:
         mlflow.set_tracking_uri(None)
+
+
+@pytest.mark.slow
+def test_a_sweep_searches_the_distillation_settings_and_registers_the_student(prefect_server, mlflow_store, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from flows.cli import main as zhflow
+
+    data = write_csv(tmp_path / "reviews.csv", sentiment_rows(40))
+    space = tmp_path / "space.json"
+    space.write_text(json.dumps({"distill.temperature": {"choices": [1.0, 4.0]}, "distill.alpha": {"low": 0.3, "high": 0.9}}))
+    out = tmp_path / "sweep.json"
+    assert zhflow(["sweep", *TINY, "--dataset", str(data), "--distill", "baseline", "--set", "distill.student.embed_dim=16",
+                   "--trials", "2", "--space", str(space), "--pruner", "none", "--experiment", "swd", "--json-out", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["counts"]["complete"] == 2
+    client = MlflowClient()
+    trials = client.search_runs([client.get_experiment_by_name("swd").experiment_id], "tags.`zhflow.stage` = 'trial'")
+    for t in trials:
+        students = client.search_runs([t.info.experiment_id], f"tags.mlflow.parentRunId = '{t.info.run_id}' "
+                                                              "and tags.`zhflow.stage` = 'train_student'")
+        assert len(students) == 1 and students[0].data.params["distill.temperature"] == t.data.params["distill.temperature"]
+        assert t.data.metrics["best_val_macro_f1"] == students[0].data.metrics["best_val_macro_f1"]  # the student is scored
+    version = client.get_model_version(summary["model"]["name"], summary["model"]["version"])
+    model = client.get_run(version.run_id)
+    assert model.data.tags["candidate"] == "neural"
