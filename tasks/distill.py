@@ -173,7 +173,8 @@ def distil(config: PipelineConfig, prepared: dict, parent: dict, trained_checkpo
     student_data = prepared
     if config.distill.augment_copies:  # the transfer set: the same splits, augmented copies added to train
         augment = config.augment.model_copy(update={"enabled": True, "n_aug": config.distill.augment_copies})
-        student_data = preprocess(config.data, config.preprocess, augment, parent, tokenizer_source(config.model))
+        student_data = preprocess(config.data, config.preprocess, augment, parent, tokenizer_source(config.model),
+                                  stage="preprocess_transfer")
     teacher = teachers(config, student_data, parent, trained_checkpoint, prepared)
     student = train_student.with_options(timeout_seconds=hard_timeout(config.distill.train.timeout_minutes),
                                          retries=config.distill.train.task_retries, retry_delay_seconds=5)(

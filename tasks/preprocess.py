@@ -78,13 +78,13 @@ def prepare_data(data: DataConfig, pre: PreprocessConfig, augment: AugmentConfig
 
 @task(name="preprocess")
 def preprocess(data: DataConfig, pre: PreprocessConfig, augment: AugmentConfig, parent: dict,
-               tokenizer: str | None = None) -> dict:
-    """Prepare (or reuse) the dataset folder and record it in a nested ``preprocess`` run; ``tokenizer``: see
+               tokenizer: str | None = None, stage: str = "preprocess") -> dict:
+    """Prepare (or reuse) the dataset folder and record it in a nested ``stage`` run; ``tokenizer``: see
     ``training.data.prepare.prepare_dataset``."""
     logger = get_run_logger()
     out_dir = work_root() / "prepared" / preprocess_key(data, pre, augment, tokenizer)
     fresh = not (out_dir / MANIFEST).is_file()  # the folder is gone: the cache entry is stale
-    with stage_run(parent, "preprocess") as run:
+    with stage_run(parent, stage) as run:
         state = prepare_data.with_options(refresh_cache=fresh, cache_policy=_cache_policy())(
             data, pre, augment, str(out_dir), tokenizer, return_state=True)
         prepared = state.result()

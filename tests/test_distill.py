@@ -226,7 +226,7 @@ def test_a_tokenizer_teacher_teaches_a_jieba_word_student(tiny_bert, reviews, tm
         # the transfer set: a folder of its own (augmented copies in train, the same val and test), under the distill run
         distill_id = summary["stage_runs"]["distill"]
         (student_data,) = client.search_runs([distilled_eval.info.experiment_id],
-                                             f"tags.mlflow.parentRunId = '{distill_id}' and tags.`zhflow.stage` = 'preprocess'")
+                                             f"tags.mlflow.parentRunId = '{distill_id}' and tags.`zhflow.stage` = 'preprocess_transfer'")
         assert student_data.data.tags["prepared_dir"] != summary["prepared_data"]
         n = json.loads((Path(summary["prepared_data"]) / "manifest.json").read_text())["splits"]["train"]["n"]
         assert n < student_data.data.metrics["train_texts"] <= 2 * n  # a copy identical to its text is not added
