@@ -482,6 +482,10 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         from training.models import check_model
 
         check_model(config.model)  # a checkpoint that cannot be loaded: one line now, no run recorded, no server started
+        if config.distill.enabled:
+            from training.models import check_student
+
+            check_student(config.distill.student, config.model)
         if config.distill.enabled and any(t.startswith(MODEL_URI_PREFIXES) for t in config.distill.teacher):
             from tasks.distill import check_teachers
 

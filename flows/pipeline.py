@@ -13,7 +13,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from training.config import ExperimentName, PipelineConfig
-from training.models import check_model, tokenizer_source
+from training.models import check_model, check_student, tokenizer_source
 from training.presets import PresetName, on_preset
 from training.paths import check_config_paths
 from tasks.baseline import baseline_model
@@ -54,6 +54,8 @@ def train_pipeline(config: Optional[PipelineConfig] = None, experiment: Experime
     config = on_preset(config, preset)
     check_config_paths(config)  # a path from the form may not leave the allowed folders
     check_model(config.model)  # a pretrained checkpoint that cannot be loaded: refused before any run is opened
+    if config.distill.enabled:
+        check_student(config.distill.student, config.model)
     parent = open_pipeline_run(config, experiment)
     prepared = preprocess(config.data, config.preprocess, config.augment, parent, tokenizer_source(config.model))
     check_teachers(config.distill, prepared["manifest"]["labels"])  # a teacher of other labels: refused before training

@@ -16,7 +16,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
 from training.config import ExperimentName, PipelineConfig
-from training.models import check_model
+from training.models import check_model, check_student
 from training.presets import PresetName, on_preset
 from training.paths import check_config_paths, check_space_paths
 from training.sweep import check_space, default_space, grid
@@ -71,6 +71,8 @@ def sweep(
     config = on_preset(config, preset)
     check_config_paths(config)  # a path from the form may not leave the allowed folders
     check_model(config.model)  # a pretrained checkpoint that cannot be loaded: refused before any run is opened
+    if config.distill.enabled:
+        check_student(config.distill.student, config.model)
     space = check_space(space or default_space(config))
     check_space_paths(space)  # a file setting searched over: its every choice is checked too
     if sampler == "grid":

@@ -265,3 +265,15 @@ def test_a_sweep_searches_the_distillation_settings_and_registers_the_student(pr
     version = client.get_model_version(summary["model"]["name"], summary["model"]["version"])
     model = client.get_run(version.run_id)
     assert model.data.tags["candidate"] == "neural"
+
+
+def test_a_pretrained_student_needs_the_runs_tokenizer(tiny_bert, tiny_roberta_pad_last):
+    from training.config import ModelConfig
+    from training.models import check_student
+
+    bert = ModelConfig(name="pretrained", pretrained=str(tiny_bert))
+    check_student(bert, bert)  # the same tokenizer: its ids are in the prepared folder
+    check_student(ModelConfig(), bert)  # a from-scratch student reads zhflow's vocabularies, always there
+    for model in (ModelConfig(), ModelConfig(name="pretrained", pretrained=str(tiny_roberta_pad_last))):
+        with pytest.raises(ConfigError, match="distill.student.pretrained: .* tokenizes with other ids than model.pretrained"):
+            check_student(bert, model)

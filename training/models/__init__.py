@@ -71,3 +71,16 @@ def tokenizer_key(source: str) -> str:
     from training.models.pretrained import load_tokenizer, tokenizer_digest
 
     return tokenizer_digest(load_tokenizer(source))
+
+
+def check_student(student, model) -> None:
+    """A distilled student the run's prepared folder can feed: its own check, and for a pretrained student the same
+    tokenizer as ``model`` (the folder holds one tokenizer's ids; a student with other ids would read garbage)."""
+    check_model(student)
+    theirs, ours = tokenizer_source(student), tokenizer_source(model)
+    if theirs is not None and (ours is None or tokenizer_key(theirs) != tokenizer_key(ours)):
+        from training.config import ConfigError
+
+        raise ConfigError(f"distill.student.pretrained: {theirs!r} tokenizes with other ids than model.pretrained "
+                          f"({ours!r}); a pretrained student needs the tokenizer of the run's model (same vocabulary), "
+                          "or pick a family trained from scratch (textcnn, bilstm, transformer)")
