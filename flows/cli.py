@@ -25,7 +25,7 @@ FLAGS = {  # flag -> the setting it fills, with the value argparse parsed (--mod
     "dataset": "data.dataset", "format": "data.format", "text_column": "data.text_column",
     "label_column": "data.label_column", "text_columns": "data.text_columns", "encoding": "data.encoding",
     "quoting": "data.quoting", "test_dataset": "data.test_dataset", "nproc": "train.nproc",
-    "pretrained": "model.pretrained",
+    "pretrained": "model.pretrained", "unlabelled": "distill.unlabelled",
 }
 
 
@@ -87,6 +87,8 @@ def _distill_options(parser: argparse.ArgumentParser) -> None:
                         help="also distil a student (distill.student, by default the preset's TextCNN) from trained (the "
                              "trained model), baseline (TF-IDF + logistic regression) or a model URI; several: averaged")
     parser.add_argument("--student", help=f"the distilled student's family: {', '.join(MODEL_FAMILIES)} (with --distill)")
+    parser.add_argument("--unlabelled", metavar="FILE", help="unlabelled texts for the student's transfer set, one per line "
+                        "(distill.unlabelled; with --distill)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -118,6 +120,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     dist.add_argument("--teacher", type=_teachers, required=True, metavar="TEACHER[,TEACHER]",
                       help="models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/model or baseline; several: averaged")
     dist.add_argument("--student", help=f"the student's family: {', '.join(MODEL_FAMILIES)} (default textcnn)")
+    dist.add_argument("--unlabelled", metavar="FILE", help="unlabelled texts for the transfer set, one per line, labelled by the teacher")
     dist.add_argument("--nproc", type=int, help="DDP processes (default: GPUs, or CPU cores)")
     dist.add_argument("--experiment", default="zhflow", help="MLflow experiment (default: zhflow)")
     dist.add_argument("--json-out", type=Path, help="write the run summary as JSON here")

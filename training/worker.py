@@ -152,7 +152,8 @@ class Trainer:
         self.val_set = open_split(job.prepared_dir, "val", job.model, job.max_len, self.sizes)
         self.class_weights = None
         if job.train.class_weights == "balanced":
-            counts = np.bincount(self.train_set.labels, minlength=self.num_classes).astype(np.float64)
+            labels = self.train_set.labels
+            counts = np.bincount(labels[labels >= 0], minlength=self.num_classes).astype(np.float64)  # -1: unlabelled
             weights = counts.sum() / (self.num_classes * np.maximum(counts, 1))
             self.class_weights = torch.tensor(weights, dtype=torch.float32, device=info.device)
         self.sampler = DistributedSampler(self.train_set, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=job.train.seed)

@@ -127,6 +127,35 @@ def _clean(raw: RawDataset, pre: PreprocessConfig) -> tuple[list[str], list[str]
     return [cleaned[i] for i in keep], [raw.labels[i] for i in keep], [raw.texts[i] for i in keep], len(cleaned) - len(keep)
 
 
+def _unlabelled(path: Path, pre: PreprocessConfig, labelled: set[str], segmenter: Segmenter, progress: bool) -> dict:
+    """The texts of an unlabelled file, cleaned like the dataset, without empties, repeats or any text of the labelled
+    data (which may be in validation or test); their tokens; what was dropped."""
+    from training.data.readers import decode
+
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such file (distill.unlabelled)")
+    lines = [line for line in decode(path).splitlines() if line.strip()]
+    if not lines:
+        raise DatasetError(f"{path}: no texts (distill.unlabelled: one text per line)")
+    clean = normalizer(pre)
+    kept, seen, dropped = [], set(), {"empty": 0, "repeat": 0, "labelled": 0}
+    for line in lines:
+        c = clean(line)
+        reason = "empty" if not c else "labelled" if c in labelled else "repeat" if c in seen else None
+        if reason:
+            dropped[reason] += 1
+            continue
+        seen.add(c)
+        kept.append((line, c))
+    if not kept:
+        raise DatasetError(f"{path}: none of its {len(lines)} texts is left after cleaning and removing those of the "
+                           f"labelled data ({dropped['labelled']}) and repeats ({dropped['repeat']})")
+    return {"texts": [t for t, _ in kept], "clean": [c for _, c in kept],
+            "tokens": segmenter.segment([c for _, c in kept], pre.num_workers, progress=progress),
+            "counts": {"unlabelled_read": len(lines), "unlabelled_added": len(kept), "unlabelled_empty_dropped": dropped["empty"],
+                       "unlabelled_repeats_dropped": dropped["repeat"], "unlabelled_in_labelled_data_dropped": dropped["labelled"]}}
+
+
 def check_dataset(data: DataConfig) -> None:
     """The checks a user's file fails most often, in a second, before any orchestration starts:
     it exists, decodes, has the columns and labels, and more than one class (test file included)."""
@@ -152,10 +181,13 @@ def _length_percentiles(offsets: np.ndarray) -> dict[str, float]:
 
 def prepare_dataset(
     data: DataConfig, pre: PreprocessConfig, out_dir: str | os.PathLike, progress: bool = False,
-    augment: AugmentConfig | None = None, tokenizer: str | None = None,
+    augment: AugmentConfig | None = None, tokenizer: str | None = None, unlabelled: str | None = None,
 ) -> dict:
     """Run the whole preprocessing stage into ``out_dir`` (written atomically) and return the manifest.
-    ``tokenizer``: a pretrained model's folder or hub id; its token ids of the cleaned texts are stored too."""
+    ``tokenizer``: a pretrained model's folder or hub id; its token ids of the cleaned texts are stored too.
+    ``unlabelled``: a text file (one text per line) whose texts join the train split with label -1 (a distillation
+    transfer set: a teacher labels them); any text also in the labelled data is left out, so none of a validation or
+    test text reaches training."""
     started = time.perf_counter()
     out_dir = Path(out_dir)
     augment = augment or AugmentConfig()
@@ -215,6 +247,13 @@ def prepare_dataset(
         rows["train"] += [{"text": None, "clean": " ".join(t), "label": l, "augmented": True} for t, l in zip(new_tokens, new_labels)]
         counts["augmented_added"] = len(new_tokens)
 
+    if unlabelled:
+        extra = _unlabelled(Path(unlabelled), pre, set(texts), segmenter, progress)
+        token_lists["train"] += extra["tokens"]
+        label_lists["train"] += [None] * len(extra["tokens"])
+        rows["train"] += [{"text": t, "clean": c, "label": None, "unlabelled": True} for t, c in zip(extra["texts"], extra["clean"])]
+        counts |= extra["counts"]
+
     vocab = build_vocab(token_lists["train"], pre.min_freq, pre.max_vocab)
     stoi = {tok: i for i, tok in enumerate(vocab)}
     # characters too (placeholders whole), so character-input models need no second pass over the data
@@ -230,7 +269,7 @@ def prepare_dataset(
             splits_info = {}
             for split in SPLITS:
                 ids, offsets = encode(token_lists[split], stoi)
-                split_labels = np.array([label_map[l] for l in label_lists[split]], dtype=np.int64)
+                split_labels = np.array([-1 if l is None else label_map[l] for l in label_lists[split]], dtype=np.int64)
                 files = [tmp / f"{split}.ids.npy", tmp / f"{split}.offsets.npy", tmp / f"{split}.labels.npy", tmp / f"{split}.jsonl"]
                 np.save(files[0], ids)
                 np.save(files[1], offsets)
@@ -240,10 +279,10 @@ def prepare_dataset(
                 np.save(tmp / f"{split}.char_ids.npy", char_ids)
                 np.save(tmp / f"{split}.char_offsets.npy", char_offsets)
                 unk = int((ids == stoi[UNK]).sum())
-                originals_only = [r for r in rows[split] if not r.get("augmented")]
+                originals_only = [r for r in rows[split] if not r.get("augmented") and not r.get("unlabelled")]
                 splits_info[split] = {
                     "n": len(split_labels),
-                    "per_label": dict(sorted(Counter(label_lists[split]).items())),
+                    "per_label": dict(sorted(Counter(l for l in label_lists[split] if l is not None).items())),
                     "tokens": int(len(ids)),
                     "unk_rate": round(unk / max(1, len(ids)), 4),
                     "token_length": _length_percentiles(offsets),
@@ -277,7 +316,8 @@ def prepare_dataset(
                 "tokenizer": tokenized,
                 "config": {"data": data.model_dump(), "preprocess": pre.model_dump(), "augment": augment.model_dump()},
                 "files": {"user_dict": file_digest(pre.user_dict), "stopwords_file": file_digest(pre.stopwords_file),
-                          "synonyms": file_digest(augment.synonyms) if augment.enabled else None},
+                          "synonyms": file_digest(augment.synonyms) if augment.enabled else None,
+                          "unlabelled": file_digest(unlabelled) if unlabelled else None},
                 "versions": {
                     "zhflow": training.__version__,
                     "jieba": jieba.__version__,
