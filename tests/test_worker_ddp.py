@@ -170,3 +170,25 @@ def test_worker_error_reaches_the_caller(tmp_path, prepared):
     out = _run(_cmd(job, tmp_path), _env())
     assert out.returncode != 0
     assert "no manifest" in out.stdout + out.stderr
+
+
+def test_a_distilled_student_trains_on_the_teachers_probabilities_and_resumes_after_a_killed_rank(tmp_path, prepared):
+    import numpy as np
+
+    labels = np.load(prepared / "train.labels.npy")
+    teacher = np.eye(int(labels.max()) + 1, dtype=np.float32)[labels] * 0.8 + 0.1  # a sure teacher that agrees with the labels
+    np.save(tmp_path / "teacher.npy", teacher)
+    job = _job(tmp_path, prepared, epochs=3, max_restarts=1).model_copy(
+        update={"teacher_probs": str(tmp_path / "teacher.npy"), "temperature": 2.0, "alpha": 0.9})
+    env = _env(ZHFLOW_TEST_KILL_AT_STEP="5", ZHFLOW_TEST_KILL_ONCE_FILE=str(tmp_path / "killed"))
+    out = _run(_cmd(job, tmp_path), env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (tmp_path / "killed").exists() and "resumed from" in out.stdout
+    result = read_result(tmp_path / "out")
+    assert result["restarts"] == 1 and result["epochs_run"] == 3
+    # a teacher with other rows than the split: one clear error from the worker
+    np.save(tmp_path / "short.npy", teacher[:-1])
+    bad = job.model_copy(update={"teacher_probs": str(tmp_path / "short.npy"), "out_dir": str(tmp_path / "bad"),
+                                 "train": job.train.model_copy(update={"max_restarts": 0})})
+    failed = _run(_cmd(bad, tmp_path), _env())
+    assert failed.returncode != 0 and "the train split has" in failed.stdout + failed.stderr
