@@ -11,10 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import mlflow
 import numpy as np
+from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -197,9 +199,7 @@ def distill_report(config: PipelineConfig, prepared: dict, distill_parent: dict,
     """Teacher, student alone and distilled student side by side on the same test split, in the distill run (metrics
     ``{teacher,alone,distilled}_*``, ``comparison.md``) and as a Prefect artifact; the run is ended."""
     threads = config.prune.latency_threads
-    rows = {}
-    rows["teacher"] = {"test_macro_f1": teacher["scores"]["test_macro_f1"], "test_accuracy": teacher["scores"]["test_accuracy"],
-                       "val_macro_f1": teacher["scores"]["val_macro_f1"]}
+    rows = {"teacher": {k: teacher["scores"][k] for k in ("test_macro_f1", "test_accuracy", "val_macro_f1")}}
     if config.distill.teacher == ["trained"] and trained is not None:  # a model zhflow can time like the students
         rows["teacher"] |= _cost(trained["best_checkpoint"], prepared, config, threads)
     for name, evaluated in (("alone", alone), ("distilled", distilled)):
@@ -227,9 +227,6 @@ def distill_report(config: PipelineConfig, prepared: dict, distill_parent: dict,
             f"T = {config.distill.temperature}, alpha = {config.distill.alpha}.\n")
     client = mlflow.MlflowClient()
     run_id = distill_parent["run_id"]
-    from mlflow.entities import Metric, Param, RunTag
-    import time
-
     now = int(time.time() * 1000)
     params = {k: str(v) for k, v in flatten(config.distill, "distill.").items() if not k.startswith(("distill.train.", "distill.student."))}
     params |= {k: str(v) for k, v in flatten(config.distill.student, "distill.student.").items()}
