@@ -1,5 +1,5 @@
-"""Distillation: the TextCNN taught by each teacher, beside char TF-IDF + linear SVM, the teachers and the TextCNN
-alone, on the same deduplicated split of the built-in corpus; with and without augmented copies in the transfer set.
+"""Distillation: the default preset's student (fastText) taught by each teacher, beside char TF-IDF + linear SVM, the
+teachers and the student alone, on the same deduplicated split of the built-in corpus; with and without augmented copies in the transfer set.
 
 Every row comes from real `zhflow run --distill ...` / `zhflow distill --teacher ...` invocations sharing one
 MLflow store and one ZHFLOW_HOME (so the prepared folder and the baseline teacher's probabilities are computed
@@ -17,6 +17,15 @@ from pathlib import Path
 
 from bench import common
 from bench.common import verdict
+
+NAMES = {"textcnn": "TextCNN", "fasttext": "fastText", "bilstm": "BiLSTM", "transformer": "transformer"}
+
+
+def student_name() -> str:
+    from training.presets import default
+
+    name = default().distill.student.name
+    return NAMES.get(name, name)
 
 
 def _zhflow(args: list[str], tmp: Path) -> dict:
@@ -50,7 +59,7 @@ def runs(quick: bool) -> dict[str, dict]:
         tmp = Path(name)
         if common.SMOKE:
             return {"baseline": _zhflow(["distill", *preset, "--teacher", "baseline", *_sets(base)], tmp)}
-        # the run's TextCNN and the TF-IDF model together; the TextCNN alone is the run's own
+        # the run's model and the TF-IDF model together; the student alone is the run's own
         out = {"baseline,trained": _zhflow(["run", *preset, "--distill", "baseline,trained", *_sets(base)], tmp)}
         out["baseline"] = _zhflow(["distill", *preset, "--teacher", "baseline", *_sets(base)], tmp)
         out["baseline + 2 augmented copies"] = _zhflow(
@@ -67,12 +76,12 @@ def run(quick: bool, repeats: int) -> str:
 
 def report(runs: dict[str, dict], quick: bool) -> str:
     """The section's table and verdicts from the runs' summaries."""
-    rows = []
+    rows, student = [], student_name()
     first = next(iter(runs.values()))["metrics"]
     svm = first["baseline_test_macro_f1"]
     rows.append(("char TF-IDF 1-3 grams + linear SVM (the run's reference)", svm, first["baseline_test_accuracy"], None, None))
     alone = first["distill_alone_test_macro_f1"]
-    rows.append(("TextCNN alone (no teacher)", alone, first["distill_alone_test_accuracy"], first.get("distill_alone_params"),
+    rows.append((f"{student} alone (no teacher)", alone, first["distill_alone_test_accuracy"], first.get("distill_alone_params"),
                  first.get("distill_alone_latency_b64_p50_ms")))
     best_name, best, teachers = None, -1.0, set()
     for label, summary in runs.items():
@@ -82,31 +91,31 @@ def report(runs: dict[str, dict], quick: bool) -> str:
             teachers.add(teacher)
             rows.append((f"teacher: {teacher}", m["distill_teacher_test_macro_f1"], m["distill_teacher_test_accuracy"],
                          m.get("distill_teacher_params"), m.get("distill_teacher_latency_b64_p50_ms")))
-        rows.append((f"TextCNN distilled from {label}", m["distill_distilled_test_macro_f1"], m["distill_distilled_test_accuracy"],
+        rows.append((f"{student} distilled from {label}", m["distill_distilled_test_macro_f1"], m["distill_distilled_test_accuracy"],
                      m["distill_distilled_params"], m["distill_distilled_latency_b64_p50_ms"]))
         if m["distill_distilled_test_macro_f1"] > best:
             best_name, best = label, m["distill_distilled_test_macro_f1"]
     lines = ["## Distillation", "",
-             "TextCNN students (the default preset's, `distill.temperature` 2, `distill.alpha` 0.7) on the same deduplicated "
+             f"{student} students (the default preset's, `distill.temperature` 2, `distill.alpha` 0.7) on the same deduplicated "
              "split of the built-in corpus" + (" (a 3,000-text sample)" if quick and not common.SMOKE else "") +
              "; test scores; parameters and batch-64 CPU latency (forward pass, 1 thread) where zhflow times the model. "
-             "`baseline`: TF-IDF char 1-3 grams + logistic regression, cross-fitted on train; `trained`: the run's TextCNN; "
+             "`baseline`: TF-IDF char 1-3 grams + logistic regression, cross-fitted on train; `trained`: the run's own model (the default preset's); "
              "both: their probabilities averaged.", "",
              "| model | test macro-F1 | test accuracy | parameters | latency b64 p50 |", "|---|---|---|---|---|"]
     for name, f1, acc, params, latency in rows:
         lines.append(f"| {name} | {f1:.4f} | {acc:.4f} | {f'{params:,.0f}' if params else '-'} | "
                      f"{f'{latency:.1f} ms' if latency else '-'} |")
-    lines += ["", f"Target: the best distilled TextCNN ({best_name}, {best:.4f}) at least char TF-IDF + linear SVM "
+    lines += ["", f"Target: the best distilled {student} ({best_name}, {best:.4f}) at least char TF-IDF + linear SVM "
                   f"({svm:.4f}) on the same split: {verdict(best >= svm)} ({100 * (best - svm):+.2f} points); "
-                  f"against the TextCNN alone: {100 * (best - alone):+.2f} points."]
+                  f"against the {student} alone: {100 * (best - alone):+.2f} points."]
     if "transformer (trained)" in runs:
         m = runs["transformer (trained)"]["metrics"]
         speed = m["distill_speedup_b64_vs_teacher"]
-        lines += ["", f"Target: the TextCNN distilled from a transformer at least 10x the transformer's throughput at batch 64 "
+        lines += ["", f"Target: the {student} distilled from a transformer at least 10x the transformer's throughput at batch 64 "
                       f"on CPU: {speed:.1f}x, {verdict(speed >= 10)} (a from-scratch 2-layer transformer of the default "
                       f"preset trained for {TRANSFORMER_EPOCHS} epochs, not a pretrained BERT: a 12-layer encoder is far "
                       "slower, so the ratio only grows)."]
     else:
-        lines += ["", "Target: the TextCNN distilled from a transformer at least 10x its throughput at batch 64: not measured "
+        lines += ["", f"Target: the {student} distilled from a transformer at least 10x its throughput at batch 64: not measured "
                       "in this run (the transformer teacher's row is missing)."]
     return "\n".join(lines) + "\n"

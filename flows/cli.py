@@ -84,7 +84,7 @@ def _data_options(parser: argparse.ArgumentParser) -> None:
 
 def _distill_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distill", type=_teachers, metavar="TEACHER[,TEACHER]",
-                        help="also distil a student (distill.student, by default the preset's TextCNN) from trained (the "
+                        help="also distil a student (distill.student, by default the preset's own model) from trained (the "
                              "trained model), baseline (TF-IDF + logistic regression) or a model URI; several: averaged")
     parser.add_argument("--student", help=f"the distilled student's family: {', '.join(MODEL_FAMILIES)} (with --distill)")
     parser.add_argument("--unlabelled", metavar="FILE", help="unlabelled texts for the student's transfer set, one per line "
@@ -109,7 +109,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     _distill_options(run)
     dist = sub.add_parser(
         "distill", help="teach a small student with an existing model's (or the TF-IDF baseline's) probabilities",
-        description="Preprocess, then train a student (by default the preset's TextCNN) on the teacher's class probabilities\n"
+        description="Preprocess, then train a student (by default the preset's own model) on the teacher's class probabilities\n"
                     "and the labels, beside the same student trained alone; teacher, student alone and distilled student\n"
                     "are compared on the same test split in a nested MLflow run `distill`; the student is registered\n"
                     "(champion only if it beats the current one).\n\n"

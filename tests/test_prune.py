@@ -12,11 +12,12 @@ from training.models import build_model
 from training.prune import prune, sparsity, structured_prune
 
 VOCAB = {"word": 60, "char": 40}
-FAMILIES = ["textcnn", "bilstm", "transformer"]
+FAMILIES = ["textcnn", "bilstm", "transformer", "fasttext"]
 
 
 def _cfg(name, **kw):
-    base = dict(name=name, embed_dim=16, num_filters=8, kernel_sizes=[2, 3], hidden_size=8, num_heads=4, num_layers=2, dropout=0.1)
+    base = dict(name=name, embed_dim=16, num_filters=8, kernel_sizes=[2, 3], hidden_size=8, num_heads=4, num_layers=2, dropout=0.1,
+                buckets=97)
     return ModelConfig(**(base | kw))
 
 
@@ -35,9 +36,11 @@ def _kill_units(model, cfg):
     """Zero the first half of every structured unit, so that they are exactly the ones ranked lowest."""
     with torch.no_grad():
         for enc in model.encoders.values():
-            if cfg.name in ("textcnn", "bilstm"):
+            if cfg.name in ("textcnn", "bilstm", "fasttext"):
                 enc.embedding.weight[:, : cfg.embed_dim // 2] = 0
-            if cfg.name == "textcnn":
+            if cfg.name == "fasttext":
+                enc.ngrams.weight[:, : cfg.embed_dim // 2] = 0
+            elif cfg.name == "textcnn":
                 for conv in enc.convs:
                     conv.weight[: cfg.num_filters // 2] = 0
                     conv.bias[: cfg.num_filters // 2] = 0
@@ -79,6 +82,8 @@ def test_structured_removes_dead_units_without_changing_outputs(name, inputs):
         assert (small.embed_dim, small.num_filters) == (8, 4)
     elif name == "bilstm":
         assert (small.embed_dim, small.hidden_size) == (8, 4)
+    elif name == "fasttext":
+        assert small.embed_dim == 8 and small.buckets == cfg.buckets
     else:
         assert (small.num_heads, small.head_dim, small.ffn_dim, small.embed_dim) == (2, 4, 32, 16)
 

@@ -112,7 +112,7 @@ class ModelConfig(_Section):
     name: Literal[FAMILY_NAMES] = Field(
         "textcnn", title="Model family",
         description="textcnn (convolutions + max pooling), bilstm (BiLSTM + attention pooling), transformer (small "
-                    "encoder), all three trained from scratch; pretrained (fine-tune the checkpoint in model.pretrained).",
+                    "encoder), fasttext (a bag of hashed token n-grams), all four trained from scratch; pretrained (fine-tune the checkpoint in model.pretrained).",
     )
     pretrained: Optional[str] = Field(
         None, min_length=1, max_length=1000, title="Pretrained checkpoint",
@@ -139,6 +139,14 @@ class ModelConfig(_Section):
     )
     positions: Literal["learned", "sinusoidal"] = Field(
         "learned", title="Positions", description="Transformer position encoding."
+    )
+    ngrams: int = Field(
+        3, ge=1, le=6, title="N-gram length",
+        description="fasttext: tokens and runs of up to this many tokens (words or characters) are the features.",
+    )
+    buckets: int = Field(
+        262_144, ge=1, le=16_777_216, title="N-gram buckets",
+        description="fasttext: rows of the table the n-grams of 2 or more tokens are hashed into, per input.",
     )
     max_char_len: int = Field(256, ge=8, le=8192, title="Max characters", description="Character input is truncated to this many characters.")
     dropout: float = Field(0.5, ge=0, lt=1, title="Dropout", description="Dropout before the classifier (and inside the encoder).")
@@ -362,7 +370,7 @@ class DistillConfig(_Section):
                     "model URI whose served model returns class probabilities (models:/NAME@ALIAS, models:/NAME/3, "
                     "runs:/ID/model). Several: their probabilities averaged.",
     )
-    student: ModelConfig = Field(default_factory=ModelConfig, title="Student", description="The student's family and sizes (any family; by default the TextCNN).")
+    student: ModelConfig = Field(default_factory=ModelConfig, title="Student", description="The student's family and sizes (any family; by default the preset's own model).")
     train: TrainConfig = Field(default_factory=TrainConfig, title="Student training",
                                  description="How the student is trained (the same DDP worker, resumable like training).")
     temperature: float = Field(2.0, gt=0, le=100, allow_inf_nan=False, title="Temperature",

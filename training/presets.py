@@ -24,14 +24,19 @@ def tiny() -> PipelineConfig:
         model=model,
         train=train,
         prune=PruneConfig(amount=0.5, finetune_epochs=1),
-        distill=DistillConfig(student=model, train=train),  # the student: the preset's TextCNN, trained as it is
+        distill=DistillConfig(student=model, train=train),  # the student: the preset's own model, trained as it is
     )
 
 
 def default() -> PipelineConfig:
-    """Minutes on a 2-core CPU: the whole built-in corpus. Word and character input, batches of 32: the best mean
-    validation macro-F1 over four datasets of other domains, lengths and class counts (BENCHMARKS.md, default
-    settings)."""
+    """Minutes on a 2-core CPU: the whole built-in corpus. A fastText model over word and character n-grams, batches of
+    32: of the families trained from scratch, the closest to char TF-IDF + linear SVM on four datasets of other domains,
+    lengths and class counts, and the fastest (BENCHMARKS.md, the default run on every dataset)."""
+    return preset("default")
+
+
+def _default_sizes() -> PipelineConfig:
+    """The default preset's settings every family shares (a family's own come from FAMILY_DEFAULTS)."""
     model, train = ModelConfig(input="both"), TrainConfig(batch_size=32)
     return PipelineConfig(model=model, train=train, distill=DistillConfig(student=model, train=train))
 
@@ -62,11 +67,12 @@ def finetune() -> PipelineConfig:
         model=ModelConfig(name="pretrained", pretrained=FINETUNE_CHECKPOINT),
         train=TrainConfig(epochs=4, batch_size=32, lr=3e-5, schedule="linear", warmup_ratio=0.1, patience=2),
         prune=PruneConfig(finetune_lr=3e-5),
-        distill=default().distill,  # the fine-tuned encoder teaches the default preset's TextCNN
+        distill=default().distill,  # the fine-tuned encoder teaches the default preset's fastText model
     )
 
 
-PRESETS = {"tiny": tiny, "default": default, "gpu": gpu, "finetune": finetune}
+PRESETS = {"tiny": tiny, "default": _default_sizes, "gpu": gpu, "finetune": finetune}
+PRESET_FAMILY = {"default": "fasttext"}  # a preset's own family, when not its ModelConfig's (with FAMILY_DEFAULTS)
 
 # what each family needs beyond the preset's shared sizes: {family: {preset: {"model"|"train": {...}}}}
 FAMILY_DEFAULTS = {
@@ -74,6 +80,11 @@ FAMILY_DEFAULTS = {
         "tiny": {"model": {"hidden_size": 32, "dropout": 0.3}},
         "default": {"model": {"hidden_size": 128, "dropout": 0.3}, "train": {"lr": 2e-3}},
         "gpu": {"model": {"hidden_size": 256, "num_layers": 2, "dropout": 0.3}},
+    },
+    "fasttext": {  # narrow vectors over many hashed n-grams; a high learning rate, as fastText trains
+        "tiny": {"model": {"embed_dim": 16, "buckets": 16_384, "dropout": 0.3}},
+        "default": {"model": {"embed_dim": 32, "dropout": 0.3}, "train": {"lr": 5e-3}},
+        "gpu": {"model": {"embed_dim": 64, "buckets": 1_048_576, "dropout": 0.3}, "train": {"lr": 5e-3}},
     },
     "pretrained": {  # fine-tuning: small learning rates, warm-up, decay over few epochs
         preset_name: {"train": {"lr": 3e-5, "schedule": "linear", "warmup_ratio": 0.1, "epochs": 4, "patience": 2},
@@ -90,18 +101,27 @@ FAMILY_DEFAULTS = {
 }
 
 
+def _family(data: dict, family: str, preset_name: str) -> dict:
+    data["model"]["name"] = family
+    for section, values in FAMILY_DEFAULTS.get(family, {}).get(preset_name, {}).items():
+        data[section].update(values)
+    return data
+
+
 def preset(name: str, model: str | None = None) -> PipelineConfig:
-    """A preset, with the defaults of model family ``model`` when given."""
+    """A preset, with the defaults of model family ``model`` when given. Its distilled student is the preset's own
+    model whatever ``model`` is."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    config = PRESETS[name]()
-    if model is None:
+    config, own = PRESETS[name](), PRESET_FAMILY.get(name)
+    if own is not None:
+        data = _family(config.model_dump(), own, name)
+        data["distill"].update(student=dict(data["model"]), train=dict(data["train"]))
+        mine = validate(data)
+        config = mine if model in (None, own) else config.model_copy(update={"distill": mine.distill})
+    if model is None or model == own:
         return config
-    data = config.model_dump()
-    data["model"]["name"] = model
-    for section, values in FAMILY_DEFAULTS.get(model, {}).get(name, {}).items():
-        data[section].update(values)
-    return validate(data)
+    return validate(_family(config.model_dump(), model, name))
 
 
 PresetName = Literal["tiny", "default", "gpu", "finetune"]

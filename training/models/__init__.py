@@ -20,6 +20,7 @@ REGISTRY = {
     "textcnn": "training.models.textcnn:TextCNN",
     "bilstm": "training.models.bilstm:BiLSTM",
     "transformer": "training.models.transformer:Transformer",
+    "fasttext": "training.models.fasttext:FastText",
     "pretrained": "training.models.pretrained:Pretrained",
 }
 FAMILY_NAMES = tuple(REGISTRY)
