@@ -21,7 +21,7 @@ from training.evaluate import autocast, open_split
 from training.models import family_of
 from training.events import read_result
 
-FAMILIES = ("textcnn", "bilstm", "transformer")
+FAMILIES = ("fasttext", "textcnn", "bilstm", "transformer")
 EPOCHS = 2  # the rate of the last epoch is used: the first pays for warm-up
 
 
@@ -70,7 +70,7 @@ def bare_rate(prepared: Path, cfg, threads: int | None = None, precision: str = 
 
 
 def run(quick: bool, repeats: int) -> str:
-    families = ("textcnn",) if quick else FAMILIES
+    families = ("fasttext",) if quick else FAMILIES
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         cfg = preset("default")
