@@ -31,7 +31,7 @@ def tiny() -> PipelineConfig:
 def default() -> PipelineConfig:
     """Minutes on a 2-core CPU: the whole built-in corpus. A fastText model over word and character n-grams, batches of
     32: of the families trained from scratch, the closest to char TF-IDF + linear SVM on four datasets of other domains,
-    lengths and class counts, and the fastest (BENCHMARKS.md, the default run on every dataset)."""
+    lengths and class counts (BENCHMARKS.md, the default run on every dataset)."""
     return preset("default")
 
 
