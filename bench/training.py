@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from bench.common import Timing, quick_size, verdict
 from training.job import WorkerJob
+from training.worker import make_optimizer
 from training.presets import preset
 from training.data.prepare import load_manifest, prepare_dataset
 from training.evaluate import autocast, open_split
@@ -52,7 +53,7 @@ def bare_rate(prepared: Path, cfg, threads: int | None = None, precision: str = 
     model = family.build(cfg.model, sizes, len(manifest["labels"]))
     data = open_split(prepared, "train", cfg.model, cfg.preprocess.max_len, sizes)
     loader = DataLoader(data, batch_size=cfg.train.batch_size, shuffle=True, collate_fn=data.collate)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
+    optimizer = make_optimizer(model, cfg.train.lr, cfg.train.weight_decay)  # AdamW (and SparseAdam for sparse tables)
     model.train()
     rate = 0.0
     for _ in range(EPOCHS):

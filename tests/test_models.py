@@ -158,6 +158,7 @@ def test_a_family_missing_part_of_the_interface_is_refused_when_it_is_made():
 def test_fasttext_learns_what_only_the_order_of_tokens_tells():
     """Texts "a b" and "b a" have the same tokens: only the hashed bigrams tell them apart."""
     from training.models.fasttext import ngram_ids
+    from training.worker import make_optimizer
 
     tokens = torch.tensor([[2, 3, 0], [3, 2, 0]])
     assert torch.equal(ngram_ids(tokens, 2, 97), ngram_ids(tokens.clone(), 2, 97))  # deterministic
@@ -167,7 +168,7 @@ def test_fasttext_learns_what_only_the_order_of_tokens_tells():
         torch.manual_seed(0)
         cfg = ModelConfig(name="fasttext", input="word", embed_dim=8, ngrams=n, buckets=97, dropout=0.0)
         model = build_model(cfg, {"word": 5, "char": 5}, num_classes=2)
-        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+        opt = make_optimizer(model, 0.05, 0.0)
         labels = torch.tensor([0, 1])
         for _ in range(100):
             opt.zero_grad()
@@ -183,3 +184,40 @@ def test_fasttext_refuses_a_table_too_large():
 
     with pytest.raises(ConfigError, match="model.buckets"):
         check_model(ModelConfig(name="fasttext", embed_dim=2048, buckets=16_777_216))
+
+
+def test_fasttext_tables_train_with_sparse_gradients_clipped_and_resumed_like_dense_ones():
+    """Its tables get sparse gradients: clipped to the same norm as the same gradients made dense, and the optimiser
+    (AdamW beside SparseAdam) saved and loaded mid-run steps exactly as the one that went on."""
+    import copy
+
+    from training.worker import DenseAndSparse, clip_gradients, make_optimizer
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(name="fasttext", input="both", embed_dim=8, buckets=101, dropout=0.0)
+    sparse = build_model(cfg, VOCAB, num_classes=3)
+    dense = copy.deepcopy(sparse)
+    for table in dense.modules():
+        if isinstance(table, torch.nn.Embedding):
+            table.sparse = False
+    batch, labels = _batch(cfg)
+    for model in (sparse, dense):
+        (10 * torch.nn.functional.cross_entropy(model(batch), labels)).backward()
+    assert sparse.encoders["char"].ngrams.weight.grad.is_sparse
+    norm = clip_gradients(sparse.parameters(), 0.5)
+    assert norm == pytest.approx(float(torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.5)), rel=1e-5) and norm > 0.5
+    for (name, a), b in zip(sparse.named_parameters(), dense.parameters()):
+        assert torch.allclose(a.grad.to_dense(), b.grad, atol=1e-6), name
+
+    opt = make_optimizer(sparse, 0.01, 0.01)
+    assert isinstance(opt, DenseAndSparse)
+    opt.step()
+    saved, state = copy.deepcopy(sparse), copy.deepcopy(opt.state_dict())
+    again = make_optimizer(saved, 0.01, 0.01)
+    again.load_state_dict(state)
+    for model, optimizer in ((sparse, opt), (saved, again)):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(batch), labels).backward()
+        optimizer.step()
+    for a, b in zip(sparse.parameters(), saved.parameters()):
+        assert torch.equal(a, b)

@@ -106,13 +106,75 @@ def masked_copy(model: torch.nn.Module) -> torch.nn.Module:
     return clean
 
 
+def sparse_tables(model: torch.nn.Module) -> list[torch.nn.Embedding]:
+    """Embedding tables with sparse gradients (``sparse=True``: a fastText model's token and n-gram tables)."""
+    return [m for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.sparse]
+
+
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: weight decay on weight matrices and embeddings, none on biases and LayerNorm weights (vectors)."""
+    """AdamW groups: weight decay on weight matrices and embeddings, none on biases and LayerNorm weights (vectors);
+    tables with sparse gradients are left to SparseAdam (``make_optimizer``)."""
+    sparse = {id(m.weight) for m in sparse_tables(model)}
     decay, no_decay = [], []
     for _, param in model.named_parameters():
-        if param.requires_grad:
+        if param.requires_grad and id(param) not in sparse:
             (decay if param.ndim >= 2 else no_decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class DenseAndSparse(torch.optim.Optimizer):
+    """AdamW for the dense parameters and SparseAdam (lazy Adam: only the rows a batch touched move; no weight decay)
+    for the tables with sparse gradients, stepped as one optimiser: one learning-rate schedule over all their groups,
+    one state in the checkpoint."""
+
+    def __init__(self, dense: torch.optim.Optimizer, sparse: torch.optim.Optimizer):
+        super().__init__([p for g in dense.param_groups + sparse.param_groups for p in g["params"]], dense.defaults)
+        self.parts = (dense, sparse)
+        self.param_groups = dense.param_groups + sparse.param_groups  # the same dicts: the schedule's lr reaches both
+
+    def step(self, closure=None):
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"dense": self.parts[0].state_dict(), "sparse": self.parts[1].state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.parts[0].load_state_dict(state_dict["dense"])
+        self.parts[1].load_state_dict(state_dict["sparse"])
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW, with SparseAdam beside it for the tables with sparse gradients: a step then costs what the batch's rows
+    cost, not what the whole table does (and DDP all-reduces only those rows)."""
+    dense = torch.optim.AdamW(parameter_groups(model, weight_decay), lr=lr)
+    tables = [m.weight for m in sparse_tables(model) if m.weight.requires_grad]
+    return DenseAndSparse(dense, torch.optim.SparseAdam(tables, lr=lr)) if tables else dense
+
+
+def clip_gradients(parameters, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` that also takes sparse gradients (the norm of their coalesced rows); returns the norm."""
+    params = [p for p in parameters if p.grad is not None]
+    sparse = [p for p in params if p.grad.is_sparse]
+    if not sparse:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    for p in sparse:
+        p.grad = p.grad.coalesce()  # repeated rows summed: their values' norm is the gradient's
+    dense = [p for p in params if not p.grad.is_sparse]
+    norms = [p.grad.values().float().norm() for p in sparse]
+    if dense:
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in dense]))
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    if dense:
+        torch.nn.utils.clip_grads_with_norm_(dense, max_norm, total)
+    for p in sparse:
+        p.grad.values().mul_(coef.to(p.grad.dtype))
+    return total
 
 
 def epoch_seed(seed: int, rank: int, epoch: int) -> int:
@@ -138,6 +200,10 @@ class Trainer:
             self.family.enable_gradient_checkpointing(model, job.model)
         fp16 = autocast_dtype(job.train.precision, info.device) == torch.float16
         self.scaler = torch.amp.GradScaler(info.device.type, enabled=fp16)  # fp16: losses scaled, overflow steps skipped
+        if job.keep_sparsity or info.device.type == "cuda" or job.train.compile:
+            # sparse gradients: not through pruning masks, nccl's all-reduce or torch.compile; dense ones instead
+            for table in sparse_tables(model):
+                table.sparse = False
         if job.keep_sparsity:
             for module, name in prunable_weights(model, include_embedding=True):
                 torch_prune.custom_from_mask(module, name, getattr(module, name) != 0)
@@ -162,7 +228,7 @@ class Trainer:
             collate_fn=self.train_set.collate, pin_memory=info.device.type == "cuda",
         )
         t = job.train
-        self.optimizer = torch.optim.AdamW(parameter_groups(self.raw_model, t.weight_decay), lr=t.lr)
+        self.optimizer = make_optimizer(self.raw_model, t.lr, t.weight_decay)
         steps_per_epoch = math.ceil(len(self.loader) / t.grad_accum)
         self.total_steps = t.epochs * steps_per_epoch
         warmup = int((steps_per_epoch if t.schedule == "plateau" else self.total_steps) * t.warmup_ratio)
@@ -262,7 +328,7 @@ class Trainer:
             if last_micro:
                 self.scaler.unscale_(self.optimizer)  # clipping sees the true gradients (a no-op without fp16)
                 if t.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+                    clip_gradients(self.model.parameters(), t.grad_clip)
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
                 self.scheduler.step()

@@ -6,8 +6,9 @@ into ``model.buckets`` rows of a second table, inside the model, so the served m
 vocabularies the other families use. The text's vector is the sum of its features' vectors over the square root of
 their number (the sum's scale stays that of one feature whatever the length, as an L2-normalised bag of counts does).
 It reads n-grams the way TF-IDF + linear models do, which is why it holds up on datasets where the convolutional and
-recurrent families need more data. The tables are dense parameters: DDP all-reduces all of them every step (their
-gradients are mostly zeros), so ``model.buckets`` x ``model.embed_dim`` is what a step costs.
+recurrent families need more data. Both tables have sparse gradients: a step (and DDP's all-reduce, on gloo) costs
+the rows the batch touched, not ``model.buckets`` x ``model.embed_dim``; on CUDA (nccl has no sparse all-reduce), under
+pruning masks and under torch.compile the worker makes them dense.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class FastTextEncoder(nn.Module):
         self.orders, self.buckets = cfg.ngrams, cfg.buckets
         self.embedding = make_embedding(vocab_size, cfg.embed_dim)
         self.ngrams = make_embedding(cfg.buckets + 1, cfg.embed_dim) if cfg.ngrams > 1 else None
+        for table in (self.embedding, self.ngrams):
+            if table is not None:
+                table.sparse = True  # a batch touches a few thousand rows: sparse gradients (training.worker.make_optimizer)
         self.out_dim = cfg.embed_dim
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
