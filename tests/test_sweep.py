@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 from flows.cli import main as zhflow
 from tests.conftest import sentiment_rows, write_csv
 from training.config import PipelineConfig
-from training.presets import tiny
+from training.presets import default, tiny
 from training.sweep import DEFAULT_SPACE, SpaceError, apply_params, check_space, grid, load_space, suggest
 
 
@@ -292,3 +292,4 @@ def test_a_sweep_from_the_pretrained_family_searches_fine_tuning_settings():
     config = apply_params(finetune(), suggest(study.ask(), space))
     assert config.model.name == "pretrained" and config.model.pretrained == finetune().model.pretrained
     assert default_space(tiny()) == DEFAULT_SPACE
+    assert check_space(default_space(default()))["model.ngrams"] == {"choices": [2, 3, 4]}  # fastText's own

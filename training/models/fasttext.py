@@ -59,6 +59,16 @@ class FastTextEncoder(nn.Module):
 class FastText(ScratchFamily):
     name = "fasttext"
     encoder = FastTextEncoder
+    sweep_space = {  # its own sizes; a sweep from the default preset searches fastText, not the other families
+        "model.input": {"choices": ["word", "char", "both"]},
+        "model.embed_dim": {"choices": [16, 32, 64]},
+        "model.ngrams": {"choices": [2, 3, 4]},
+        "model.dropout": {"low": 0.0, "high": 0.5},
+        "train.lr": {"low": 1e-3, "high": 2e-2, "log": True},
+        "train.batch_size": {"choices": [16, 32, 64]},
+        "augment.enabled": {"choices": [False, True]},
+        "prune.amount": {"choices": [0.0, 0.3, 0.5]},
+    }
 
     def check(self, cfg: ModelConfig) -> None:
         from training.config import ConfigError
