@@ -1,6 +1,6 @@
 """Pruning: every method and amount, fine-tuned, against the unpruned model on the same test split.
 
-One default-preset TextCNN is trained on the built-in corpus; each (method, amount) prunes a copy with
+One default-preset model (the default preset's family) is trained on the built-in corpus; each (method, amount) prunes a copy with
 training/prune.py, fine-tunes it with the same worker the pipeline uses, and is scored on the test
 split. Latency is measured for all models in turn (interleaved), ``repeats`` times; the median p50/p95
 is reported.
@@ -128,7 +128,7 @@ def run(quick: bool, repeats: int) -> str:
     return "\n".join([
         "## Pruning",
         "",
-        f"A default-preset TextCNN ({cfg.train.epochs} epochs) trained on {n['train']['n']:,} texts of the built-in corpus, "
+        f"A default-preset {cfg.model.name} model (at most {cfg.train.epochs} epochs) trained on {n['train']['n']:,} texts of the built-in corpus, "
         f"pruned by each method and amount (embeddings included) in one round or in 3 (the iterative schedule, "
         f"{cfg.prune.schedule}), each round fine-tuned {cfg.prune.finetune_epochs} epoch(s) at "
         f"lr {cfg.prune.finetune_lr} by the pipeline's worker, scored on the same {n['test']['n']:,} test texts. "

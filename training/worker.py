@@ -241,6 +241,8 @@ class Trainer:
         self.restarts = distributed.group_restarts(info)
         self._resume()
         self.resumed_after_epoch = self.epoch
+        self._saved_epoch = self.epoch if self.epoch else None  # the epoch last.pt holds (None: not written yet)
+        self._saved_at, self._save_s = time.perf_counter(), 0.0
         self.epoch_rates: list[float] = []  # training samples/s of each epoch run here
         self._val_s = 0.0  # how long the last validation took (the time budget keeps room for one)
 
@@ -265,7 +267,25 @@ class Trainer:
             self.improving_at_end = self.bad_epochs == 0
         self.print(f"resumed from {last} after epoch {self.epoch} (restart {self.restarts})")
 
+    def _checkpoint_due(self) -> bool:
+        """Whether to write last.pt after this epoch (the same answer on every rank): after the first epoch, then once
+        the training since the last write has taken CHECKPOINT_SPACING times as long as that write. Where epochs take
+        longer than a write, that is every epoch; where a write outlasts an epoch (a small dataset, a large model with
+        its optimiser state), checkpoints stay under about a tenth of the time, and a restart repeats at most that much."""
+        if self._saved_epoch is None:
+            due = True
+        else:
+            due = time.perf_counter() - self._saved_at >= CHECKPOINT_SPACING * self._save_s
+        return distributed.broadcast_flag(due, self.info)
+
     def _save_last(self) -> None:
+        started = time.perf_counter()
+        if self.info.is_main:
+            self._write_last()
+        self._saved_epoch, self._saved_at = self.epoch, time.perf_counter()
+        self._save_s = self._saved_at - started
+
+    def _write_last(self) -> None:
         save_checkpoint(self.out / "last.pt", {
             "model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(), "epoch": self.epoch, "step": self.step,
@@ -410,13 +430,15 @@ class Trainer:
             self.epoch_rates.append(self._epoch_rate)
             self.log.add(self.epoch, epoch=self.epoch, train_loss_epoch=train_loss, epoch_seconds=epoch_s,
                          samples_per_second=self._epoch_rate, **val)
-            if self.info.is_main:  # checkpoint before the metrics reach MLflow: a restart never logs an epoch twice
+            if self._checkpoint_due():  # checkpoint before the metrics reach MLflow: a restart never logs an epoch twice
                 self._save_last()
-            self.log.flush()
+                self.log.flush()
             self.emit("epoch", epoch=self.epoch, **val)  # the launcher feeds it to a sweep's pruner
             self.print(f"epoch {self.epoch}/{t.epochs} done in {epoch_s:.1f}s: train loss {train_loss:.4f}, "
                        f"val macro-F1 {val['val_macro_f1']:.4f}, val acc {val['val_accuracy']:.4f}"
                        + (" (best)" if improved else f" (no gain {self.bad_epochs}/{t.patience})"))
+        if self._saved_epoch != self.epoch:  # the epochs since the last checkpoint, before their metrics are sent
+            self._save_last()
         still_improving = stop_reason != "converged" and self.improving_at_end
         setting = self.job.epochs_setting if stop_reason == "max_epochs" else "train.timeout_minutes"
         self.print(STOP_MESSAGES[stop_reason].format(epoch=self.epoch, best=self.best_epoch, patience=t.patience, setting=setting)
@@ -436,6 +458,8 @@ class Trainer:
         self.emit("result", **result)
         return result
 
+
+CHECKPOINT_SPACING = 10  # training time between two last.pt writes, in multiples of the last write's duration
 
 STOP_MESSAGES = {
     "converged": "stopped after epoch {epoch}: converged (no better validation score for {patience} epochs; best epoch {best})",

