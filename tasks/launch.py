@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Callable
 
 import mlflow
+from mlflow.entities import Metric
+from mlflow.tracking import MlflowClient
 import torch
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -101,6 +103,16 @@ def _stop(proc: subprocess.Popen) -> None:
             return
 
 
+def _log_unsent(run_id: str | None, history: dict[int, dict]) -> None:
+    """The epochs a stopped worker had run since its last checkpoint: their metrics, logged as it would have (it
+    sends them with the checkpoint that holds them, so that a restart never logs an epoch twice)."""
+    sent = max((e for e, h in history.items() if h.get("sent")), default=0)
+    metrics = [Metric(key, float(value), int(time.time() * 1000), epoch) for epoch, h in sorted(history.items()) if epoch > sent
+               for key, value in h.items() if key not in ("sent",) and isinstance(value, (int, float))]
+    if run_id and metrics:
+        MlflowClient().log_batch(run_id, metrics=metrics)
+
+
 def launch_training(job: WorkerJob, on_epoch: Callable[[int, dict], bool] | None = None, cpus: int | None = None,
                     gpus: list[int] | None = None) -> dict:
     """Run the worker under torchrun and return the result it reports; a failure raises with the worker's error.
@@ -152,6 +164,7 @@ def launch_training(job: WorkerJob, on_epoch: Callable[[int, dict], bool] | None
                     if on_epoch is not None and on_epoch(event["epoch"], event):
                         logger.info("%s: stopped after epoch %d (pruned by the sweep)", job.stage, event["epoch"])
                         _stop(proc)
+                        _log_unsent(job.mlflow_run_id, history)
                         best = max(h["val_macro_f1"] for h in history.values())
                         return {"stopped_by": "on_epoch", "epochs_run": event["epoch"], "best_val_macro_f1": best,
                                 "history": [history[e] for e in sorted(history)]}

@@ -135,6 +135,10 @@ def test_sweep_prunes_persists_registers_and_serves(prefect_server, mlflow_store
         assert {"preprocess", "train"} <= stages
         if t.data.tags["zhflow.trial_state"] == "pruned":
             assert t.info.status == "KILLED" and "below the median" in t.data.tags["zhflow.pruned_reason"]
+            train_run = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{t.info.run_id}' "
+                                                                         "and tags.`zhflow.stage` = 'train'")[0]
+            logged = [m.step for m in client.get_metric_history(train_run.info.run_id, "val_macro_f1")]
+            assert logged == list(range(1, int(t.data.metrics["epochs_run"]) + 1))  # every epoch it ran, once
     done = [t for t in client.search_runs([parent.info.experiment_id], "tags.`zhflow.stage` = 'trial'")
             if t.data.tags["zhflow.trial_state"] == "complete"]
     assert done and all(client.get_metric_history(t.info.run_id, "val_macro_f1") for t in done)
@@ -293,3 +297,21 @@ def test_a_sweep_from_the_pretrained_family_searches_fine_tuning_settings():
     assert config.model.name == "pretrained" and config.model.pretrained == finetune().model.pretrained
     assert default_space(tiny()) == DEFAULT_SPACE
     assert check_space(default_space(default()))["model.ngrams"] == {"choices": [2, 3, 4]}  # fastText's own
+
+
+def test_a_stopped_trial_logs_the_epochs_its_worker_had_not_sent(mlflow_store):
+    """The worker sends epoch metrics with the checkpoint that holds them; a trial the pruner stops logs the rest."""
+    import mlflow
+
+    from tasks.launch import _log_unsent
+
+    with mlflow.start_run() as run:
+        mlflow.log_metric("val_macro_f1", 0.5, step=1)  # epoch 1: sent by the worker with its checkpoint
+    history = {1: {"epoch": 1, "sent": True, "val_macro_f1": 0.5, "train_loss_epoch": 0.9},
+               2: {"epoch": 2, "sent": False, "val_macro_f1": 0.6, "train_loss_epoch": 0.7},
+               3: {"epoch": 3, "sent": False, "val_macro_f1": 0.55, "train_loss_epoch": 0.6}}
+    _log_unsent(run.info.run_id, history)
+    client = MlflowClient()
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "val_macro_f1")] == [(1, 0.5), (2, 0.6), (3, 0.55)]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss_epoch")] == [2, 3]
+    assert "sent" not in client.get_run(run.info.run_id).data.metrics

@@ -430,10 +430,12 @@ class Trainer:
             self.epoch_rates.append(self._epoch_rate)
             self.log.add(self.epoch, epoch=self.epoch, train_loss_epoch=train_loss, epoch_seconds=epoch_s,
                          samples_per_second=self._epoch_rate, **val)
-            if self._checkpoint_due():  # checkpoint before the metrics reach MLflow: a restart never logs an epoch twice
+            if sent := self._checkpoint_due():  # checkpoint before the metrics reach MLflow: a restart never logs an epoch twice
                 self._save_last()
                 self.log.flush()
-            self.emit("epoch", epoch=self.epoch, **val)  # the launcher feeds it to a sweep's pruner
+            # the launcher feeds it to a sweep's pruner; a trial it stops logs the epochs not yet sent (``sent``) from it
+            self.emit("epoch", epoch=self.epoch, sent=sent, train_loss_epoch=train_loss, epoch_seconds=epoch_s,
+                      samples_per_second=self._epoch_rate, **val)
             self.print(f"epoch {self.epoch}/{t.epochs} done in {epoch_s:.1f}s: train loss {train_loss:.4f}, "
                        f"val macro-F1 {val['val_macro_f1']:.4f}, val acc {val['val_accuracy']:.4f}"
                        + (" (best)" if improved else f" (no gain {self.bad_epochs}/{t.patience})"))
