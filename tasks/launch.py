@@ -104,13 +104,17 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _log_unsent(run_id: str | None, history: dict[int, dict]) -> None:
-    """The epochs a stopped worker had run since its last checkpoint: their metrics, logged as it would have (it
-    sends them with the checkpoint that holds them, so that a restart never logs an epoch twice)."""
-    sent = max((e for e, h in history.items() if h.get("sent")), default=0)
-    metrics = [Metric(key, float(value), int(time.time() * 1000), epoch) for epoch, h in sorted(history.items()) if epoch > sent
-               for key, value in h.items() if key not in ("sent",) and isinstance(value, (int, float))]
-    if run_id and metrics:
-        MlflowClient().log_batch(run_id, metrics=metrics)
+    """The epochs a stopped worker had run but not sent: their metrics, logged as it would have. It sends them with
+    the checkpoint that holds them (so that a restart never logs an epoch twice), and at its end; what the run holds
+    is read back after the worker has ended, so an epoch sent just before the stop is not logged twice."""
+    if not run_id or not history:
+        return
+    client = MlflowClient()
+    sent = {m.step for m in client.get_metric_history(run_id, "val_macro_f1")}
+    metrics = [Metric(key, float(value), int(time.time() * 1000), epoch) for epoch, h in sorted(history.items())
+               if epoch not in sent for key, value in h.items() if key != "sent" and isinstance(value, (int, float))]
+    if metrics:
+        client.log_batch(run_id, metrics=metrics)
 
 
 def launch_training(job: WorkerJob, on_epoch: Callable[[int, dict], bool] | None = None, cpus: int | None = None,
@@ -150,7 +154,7 @@ def launch_training(job: WorkerJob, on_epoch: Callable[[int, dict], bool] | None
     echo = threading.Thread(target=_echo, args=(proc, logger, tail), daemon=True, name=f"{job.stage}-output")
     echo.start()
     history: dict[int, dict] = {}  # by epoch: an elastic restart repeats the epochs after its checkpoint
-    result = None
+    result, stopped_at = None, None
     try:
         while True:
             running = proc.poll() is None
@@ -161,18 +165,20 @@ def launch_training(job: WorkerJob, on_epoch: Callable[[int, dict], bool] | None
                     update_progress_artifact(artifact, progress=round(100 * done, 1))
                 elif kind == "epoch":
                     history[event["epoch"]] = event
-                    if on_epoch is not None and on_epoch(event["epoch"], event):
+                    if stopped_at is None and on_epoch is not None and on_epoch(event["epoch"], event):
                         logger.info("%s: stopped after epoch %d (pruned by the sweep)", job.stage, event["epoch"])
-                        _stop(proc)
-                        _log_unsent(job.mlflow_run_id, history)
-                        best = max(h["val_macro_f1"] for h in history.values())
-                        return {"stopped_by": "on_epoch", "epochs_run": event["epoch"], "best_val_macro_f1": best,
-                                "history": [history[e] for e in sorted(history)]}
+                        stopped_at = event["epoch"]
+                        _stop(proc)  # the next pass still reads what it wrote before it ended
                 elif kind == "result":
                     result = event
             if not running:
                 break
             time.sleep(POLL_SECONDS)
+        if stopped_at is not None:
+            _log_unsent(job.mlflow_run_id, history)
+            best = max(h["val_macro_f1"] for h in history.values())
+            return {"stopped_by": "on_epoch", "stopped_at": stopped_at, "epochs_run": max(history),
+                    "best_val_macro_f1": best, "history": [history[e] for e in sorted(history)]}
         rc = proc.wait()
     finally:
         _stop(proc)  # also on cancellation or an exception in this process: no orphaned workers

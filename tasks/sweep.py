@@ -211,7 +211,7 @@ def _train_trial(base: PipelineConfig, params: dict, trial: optuna.Trial, trial_
     mlflow.log_metric("epochs_run", trained["epochs_run"])
     if trained.get("stopped_by"):
         return {"state": "pruned", "value": None, "reason": f"validation macro-F1 {history[-1]:.4f} after epoch "
-                f"{trained['epochs_run']} is below the {pruner} rule of the finished trials"}
+                f"{trained['stopped_at']} is below the {pruner} rule of the finished trials"}
     checkpoint, value = trained["best_checkpoint"], trained["best_val_macro_f1"]
     if config.prune.amount > 0:
         for round_no, amount in enumerate(config.prune.round_amounts(), 1):
