@@ -6,6 +6,7 @@ them from one process. Same names, schedules, parameters and limits either way.
 | ``train_pipeline/nightly-retrain`` | 02:00 every day (Asia/Shanghai) | preset default, experiment zhflow-nightly   |
 | ``sweep/weekly-sweep``             | 03:00 every Saturday            | 12 trials, study weekly (continued each week) |
 | ``evaluate/evaluate-champion``     | on demand                       | the champion; the dataset is asked for      |
+| ``pretrain/pretrain-encoder``      | on demand                       | the corpus files are asked for              |
 
 Runs missed while no worker ran: only the newest missed run of a deployment runs, the rest end Cancelled
 (tasks/schedule.py). One run of each deployment at a time: a run that comes while another runs waits.
@@ -22,6 +23,7 @@ from prefect.schedules import Cron
 
 from flows.evaluate import evaluate
 from flows.pipeline import train_pipeline
+from flows.pretrain import pretrain
 from flows.sweep import sweep
 from training.config import PipelineConfig
 from training.presets import default
@@ -67,7 +69,20 @@ def evaluate_champion(**options) -> RunnerDeployment:
     )
 
 
-ALL = (nightly_retrain, weekly_sweep, evaluate_champion)
+def pretrain_encoder(**options) -> RunnerDeployment:
+    """On demand: masked-LM pretraining of an encoder on the corpus files given in the form."""
+    return pretrain.to_deployment(
+        name="pretrain-encoder",
+        parameters={"experiment": "zhflow-pretrain"},
+        concurrency_limit=ONE_AT_A_TIME,
+        description="Pretrain a Chinese encoder with masked-language modelling (whole-word masking from jieba) on "
+                    "unlabelled text, from scratch or continued from a checkpoint, under DDP or FSDP2; the result is a "
+                    "save_pretrained folder that the pretrained family fine-tunes. Give the corpus files in the form.",
+        tags=TAGS + ["pretrain"], **options,
+    )
+
+
+ALL = (nightly_retrain, weekly_sweep, evaluate_champion, pretrain_encoder)
 
 # the Prefect form labels each flow parameter with its name; these read better
 TITLES = {
@@ -88,6 +103,8 @@ def _titled(deployment: RunnerDeployment) -> RunnerDeployment:
     schema = deployment._parameter_openapi_schema
     for name, field in schema.properties.items():
         field["title"] = TITLES.get(name, name.replace("_", " ").capitalize())
+    if deployment.flow_name == "pretrain":  # its own settings, shown with their defaults (no preset behind them)
+        return deployment
     shown = default().model_dump(mode="json")
     for name, definition in (schema.definitions or {}).items():
         for key, field in definition.get("properties", {}).items() if name in SECTIONS else ():

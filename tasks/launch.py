@@ -33,7 +33,7 @@ from tasks.recover import OWNER_ENV, owner
 from training.config import TrainConfig
 from training.distributed import TORCHRUN_ENV
 from training.events import EVENTS_FILE, EventReader
-from training.job import WorkerJob
+from training.job import PretrainJob, WorkerJob
 
 POLL_SECONDS = 0.2  # how often the events file is read while the workers run
 _ERROR_LINE = re.compile(r"^\s*(\w+\.)*\w*(Error|Exception|Interrupt)\b.*")
@@ -61,7 +61,8 @@ def resolve_nproc(requested: int | None) -> int:
     return requested
 
 
-def torchrun_command(job_file: Path, nproc: int | str, train: TrainConfig, rdzv_id: str) -> list[str]:
+def torchrun_command(job_file: Path, nproc: int | str, train: TrainConfig, rdzv_id: str,
+                     module: str = "training.worker") -> list[str]:
     """One machine: --standalone (a free local port, so parallel runs never collide).
     Several: the c10d rendezvous at train.rdzv_endpoint, shared by every node under one job id."""
     cmd = [sys.executable, "-m", "torch.distributed.run"]
@@ -71,7 +72,7 @@ def torchrun_command(job_file: Path, nproc: int | str, train: TrainConfig, rdzv_
         cmd += ["--nnodes", str(train.nnodes), "--node-rank", str(train.node_rank), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", str(train.rdzv_endpoint), "--rdzv-id", train.rdzv_id or rdzv_id]
     return cmd + ["--nproc-per-node", str(nproc), "--max-restarts", str(train.max_restarts),
-                  "-m", "training.worker", "--config", str(job_file)]
+                  "-m", module, "--config", str(job_file)]
 
 
 def _root_cause(error_file: Path) -> str | None:
@@ -117,14 +118,15 @@ def _log_unsent(run_id: str | None, history: dict[int, dict]) -> None:
         client.log_batch(run_id, metrics=metrics)
 
 
-def launch_training(job: WorkerJob, on_epoch: Callable[[int, dict], bool] | None = None, cpus: int | None = None,
-                    gpus: list[int] | None = None) -> dict:
+def launch_training(job: WorkerJob | PretrainJob, on_epoch: Callable[[int, dict], bool] | None = None, cpus: int | None = None,
+                    gpus: list[int] | None = None, module: str = "training.worker") -> dict:
     """Run the worker under torchrun and return the result it reports; a failure raises with the worker's error.
 
     ``on_epoch(epoch, metrics)`` sees each epoch's validation metrics as they come; when it returns True the
     whole process group is ended and ``{"stopped_by": "on_epoch", ...}`` returned (a sweep's pruner).
     ``cpus``: the CPU cores this job may use (default all), shared out as threads among its processes;
-    ``gpus``: the GPUs it may use (CUDA_VISIBLE_DEVICES; default all).
+    ``gpus``: the GPUs it may use (CUDA_VISIBLE_DEVICES; default all); ``module``: the worker (``training.mlm`` for a
+    PretrainJob).
     """
     logger = get_run_logger()
     nproc = resolve_nproc(job.train.nproc)
@@ -137,7 +139,7 @@ def launch_training(job: WorkerJob, on_epoch: Callable[[int, dict], bool] | None
     events_file.unlink(missing_ok=True)  # a retry of the task starts a new stream (the worker resumes from last.pt)
     # torchrun's own "auto" (a process per GPU, else per CPU core) when the count is left to it
     cmd = torchrun_command(job_file, "auto" if job.train.nproc is None else nproc, job.train,
-                           rdzv_id=job.mlflow_run_id or out_dir.name)
+                           rdzv_id=job.mlflow_run_id or out_dir.name, module=module)
     env = dict(os.environ, PYTHONUNBUFFERED="1", MLFLOW_TRACKING_URI=mlflow.get_tracking_uri(),
                TORCHELASTIC_ERROR_FILE=str(error_file), **TORCHRUN_ENV, **{OWNER_ENV: owner()})  # found again if this process is killed
     if gpus is not None:

@@ -5,7 +5,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from deployments.definitions import deployments, evaluate_champion, nightly_retrain, weekly_sweep
+from deployments.definitions import deployments, evaluate_champion, nightly_retrain, pretrain_encoder, weekly_sweep
 from training.config import BUILTIN_DATASETS, PRUNE_METHODS
 
 
@@ -71,6 +71,12 @@ def test_choices_are_enums():
     evaluate = _schema(evaluate_champion())
     assert _enum(evaluate["properties"]["dataset"]) == list(BUILTIN_DATASETS)
     assert set(evaluate["required"]) == {"model_uri", "dataset"}
+    pretrain = _deployed("pretrain-encoder")
+    assert set(pretrain["required"]) == {"config"} and not pretrain_encoder().schedules
+    encoder = pretrain["definitions"]["EncoderConfig"]["properties"]
+    assert _enum(encoder["masking"]) == ["wwm", "char"] and encoder["size"]["default"] == "small"
+    assert _enum(pretrain["definitions"]["TrainConfig"]["properties"]["strategy"]) == ["ddp", "fsdp"]
+    assert "validation and test texts are removed" in pretrain["definitions"]["CorpusConfig"]["properties"]["exclude_prepared"]["description"]
 
 
 def test_schedules_and_defaults():

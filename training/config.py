@@ -220,6 +220,12 @@ class TrainConfig(_Section):
         description="Optimiser steps before early stopping and the plateau decay may act: a small dataset (a few steps "
                     "an epoch) gets as many updates as a large one's first epochs before it is judged.",
     )
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", title="Distribution strategy",
+        description="ddp: every process holds the whole model, gradients all-reduced. fsdp: FSDP2 (fully_shard per "
+                    "encoder layer and at the root): parameters, gradients and optimiser state sharded over the "
+                    "processes, for models too large for one (zhflow pretrain; the classifier families train under ddp).",
+    )
     nproc: Optional[int] = Field(
         None, ge=1, le=1024, title="Processes",
         description="DDP processes. Empty: the number of GPUs, or of CPU cores on a CPU machine.",
@@ -428,12 +434,98 @@ class PipelineConfig(_Section):
 
     @model_validator(mode="after")
     def _distill_teacher(self) -> "PipelineConfig":
+        if "fsdp" in (self.train.strategy, self.distill.train.strategy):
+            raise ValueError("train.strategy: fsdp shards the encoders of zhflow pretrain; the classifier families "
+                             "train under ddp (the models fit one process)")
         if not self.select.candidates and not self.distill.enabled:
             raise ValueError("select.candidates: list at least one (neural, linear, ensemble), or enable distill")
         if self.distill.enabled and "trained" in self.distill.teacher and "neural" not in self.select.candidates:
             raise ValueError("distill.teacher 'trained' is the run's neural model: keep neural in select.candidates, "
                              "or choose another teacher")
         return self
+
+
+ENCODER_SIZES = ("tiny", "small", "base")
+
+
+def _pretrain_train() -> "TrainConfig":
+    return TrainConfig(epochs=3, lr=5e-4, batch_size=32, schedule="linear", warmup_ratio=0.06, min_steps=0)
+
+
+class CorpusConfig(_Section):
+    files: list[str] = Field(
+        default_factory=list, title="Corpus files",
+        description="Unlabelled text: .txt files with one text per line (read as a stream), or datasets in any format "
+                    "zhflow run reads (CSV/TSV/JSONL/Parquet; their text column(s)), or prepared folders (their train "
+                    "split).",
+    )
+    text_columns: list[str] = Field(
+        default_factory=lambda: ["text"], title="Text columns",
+        description="Of a table file: the column(s) that hold the text (joined with a space).",
+    )
+    encoding: Optional[str] = Field(None, title="Encoding", description="Of the text files. Empty: UTF-8, or GB18030 where the file is not UTF-8.")
+    exclude_prepared: list[str] = Field(
+        default_factory=list, title="Exclude prepared datasets",
+        description="Prepared dataset folders (zhflow preprocess --out, or a run's prepared folder) whose validation and "
+                    "test texts are removed from the corpus and counted: pretraining on test texts inflates every later score.",
+    )
+    held_out: float = Field(0.02, ge=0, lt=0.5, title="Held-out share",
+                            description="Share of the texts (chosen by a seeded hash) kept out of training for the MLM loss and perplexity.")
+    held_out_max: int = Field(2000, ge=0, le=1_000_000, title="Held-out maximum", description="At most this many held-out texts.")
+    shard_texts: int = Field(50_000, ge=100, le=10_000_000, title="Texts per shard",
+                             description="Texts per shard on disk: preparation streams shard by shard and resumes at the last one written.")
+    num_workers: Optional[int] = Field(None, ge=1, le=256, title="Workers",
+                                       description="Processes that segment and tokenize shards. Empty: one per CPU core.")
+    seed: int = Field(13, ge=0, le=2**32 - 1, title="Seed", description="Seed of the held-out choice.")
+
+
+class EncoderConfig(_Section):
+    init_from: Optional[str] = Field(
+        None, title="Continue from",
+        description="A masked-LM checkpoint to continue pretraining (a local save_pretrained folder or a hub id); its "
+                    "tokenizer is used. Empty: a new encoder of `size` with a WordPiece tokenizer trained on the corpus.",
+    )
+    size: str = Field(
+        "small", title="Size",
+        description="A new encoder's size: tiny (2 layers, 64 wide), small (4 layers, 256 wide), base (12 layers, 768 "
+                    "wide, BERT-base), or a Hugging Face config.json file (BERT or RoBERTa).",
+    )
+    vocab_size: Optional[int] = Field(None, ge=100, le=500_000, title="Vocabulary size",
+                                      description="Of the WordPiece tokenizer trained on the corpus. Empty: by size (4000, 16000, 21128).")
+    max_len: int = Field(128, ge=8, le=4096, title="Maximum length",
+                         description="Tokens per training sequence; longer texts are cut into several sequences.")
+    masking: Literal["wwm", "char"] = Field(
+        "wwm", title="Masking",
+        description="wwm: whole-word masking (the characters of a jieba word are masked together, as in Chinese-BERT-wwm); "
+                    "char: each token on its own.",
+    )
+    mask_prob: float = Field(0.15, gt=0, lt=1, title="Mask share", description="Share of the tokens predicted (80% [MASK], 10% a random token, 10% kept).")
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, size: str) -> str:
+        if size not in ENCODER_SIZES and not size.endswith(".json"):
+            raise ValueError(f"{size!r} is none of {', '.join(ENCODER_SIZES)} and not a config.json file")
+        return size
+
+
+class PretrainConfig(_Section):
+    """Everything one ``pretrain`` run needs."""
+
+    corpus: CorpusConfig = Field(default_factory=CorpusConfig, title="Corpus", description="The unlabelled text.")
+    model: EncoderConfig = Field(default_factory=EncoderConfig, title="Encoder", description="What is pretrained, and how it is masked.")
+    train: TrainConfig = Field(default_factory=_pretrain_train, title="Training", description="DDP or FSDP2 training.")
+    out: Optional[str] = Field(None, title="Output folder",
+                               description="Where the save_pretrained folder goes. Empty: a folder of the run under the zhflow home.")
+    checkpoint_minutes: float = Field(10.0, gt=0, le=10_000, title="Checkpoint every (minutes)",
+                                      description="A checkpoint at each epoch's end, and inside an epoch once this much training has passed since the last.")
+
+
+def validate_pretrain(data: dict[str, Any]) -> PretrainConfig:
+    try:
+        return PretrainConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_describe(err)) from None
 
 
 ExperimentName = Annotated[str, Field(min_length=1, max_length=200)]

@@ -6,7 +6,7 @@ from typing import Optional
 
 from pydantic import Field
 
-from training.config import ModelConfig, TrainConfig, _Section
+from training.config import EncoderConfig, ModelConfig, TrainConfig, _Section
 
 class WorkerJob(_Section):
     """What the torchrun worker is told to do (written as JSON by the launcher)."""
@@ -26,3 +26,17 @@ class WorkerJob(_Section):
     alpha: float = Field(0.0, ge=0, le=1, description="Weight of the distillation term (distill.alpha).")
     deadline: Optional[float] = Field(None, description="Unix time by which training ends (train.timeout_minutes): "
                                                         "no epoch starts that would end after it.")
+
+
+class PretrainJob(_Section):
+    """What the pretraining worker (``training.mlm``) is told to do (written as JSON by the launcher)."""
+
+    stage: str = Field("pretrain", description="Names the progress lines.")
+    corpus_dir: str = Field(description="Prepared corpus folder (training.corpus: manifest.json, train/, heldout/, tokenizer/).")
+    out_dir: str = Field(description="Where checkpoints (ckpt/) and the events file go.")
+    export_dir: str = Field(description="Where the save_pretrained folder of the trained encoder goes.")
+    model: EncoderConfig
+    train: TrainConfig
+    checkpoint_minutes: float = Field(10.0, gt=0, description="Inside an epoch: a checkpoint once this much training has passed.")
+    mlflow_run_id: Optional[str] = Field(None, description="MLflow run that rank 0 logs into.")
+    deadline: Optional[float] = Field(None, description="Unix time by which training ends (train.timeout_minutes).")

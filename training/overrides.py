@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from training.config import ConfigError, PipelineConfig, validate
+from training.config import ConfigError, PipelineConfig, validate, validate_pretrain
 
 def _parse_value(raw: str, annotation: Any) -> Any:
     """A --set value read by the field's own type: JSON (``3e-4``, ``[3, 4]``, ``null``), else the text as that type
@@ -32,15 +32,18 @@ def _parse_value(raw: str, annotation: Any) -> Any:
     return raw
 
 
-def setting_field(key: str, given: str) -> tuple[list[str], Any]:
+def setting_field(key: str, given: str, root: type[BaseModel] = PipelineConfig) -> tuple[list[str], Any]:
     """The path and annotation of the field ``key`` names (``train.lr``, ``distill.student.name``), or ConfigError
     saying what there is."""
     parts = key.strip().split(".")
+    top = root.model_fields.get(parts[0])
+    if len(parts) == 1 and top is not None and not (isinstance(top.annotation, type) and issubclass(top.annotation, BaseModel)):
+        return parts, top.annotation  # a setting outside the sections (pretraining's checkpoint_minutes)
     if len(parts) < 2:
         raise ConfigError(f"{given}: expected section.key=value, e.g. train.lr=3e-4")
-    if parts[0] not in PipelineConfig.model_fields:
-        raise ConfigError(f"unknown section {parts[0]!r} in {given} (not a setting); sections: {', '.join(PipelineConfig.model_fields)}")
-    cls = PipelineConfig.model_fields[parts[0]].annotation
+    if parts[0] not in root.model_fields:
+        raise ConfigError(f"unknown section {parts[0]!r} in {given} (not a setting); sections: {', '.join(root.model_fields)}")
+    cls = root.model_fields[parts[0]].annotation
     for depth, name in enumerate(parts[1:], 1):
         where = ".".join(parts[:depth])
         if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
@@ -53,20 +56,20 @@ def setting_field(key: str, given: str) -> tuple[list[str], Any]:
     return parts, cls
 
 
-def apply_settings(config: PipelineConfig, values: dict[str, Any]) -> PipelineConfig:
+def apply_settings(config: BaseModel, values: dict[str, Any]) -> BaseModel:
     """``{"train.lr": 3e-4, "distill.student.name": "bilstm", ...}`` (values as the fields take them) applied to
     ``config``, validated once."""
     data = config.model_dump()
     for key, value in values.items():
-        parts, _ = setting_field(key, repr(key))
+        parts, _ = setting_field(key, repr(key), type(config))
         node = data
         for name in parts[:-1]:
             node = node[name]
         node[parts[-1]] = value
-    return validate(data)
+    return validate(data) if isinstance(config, PipelineConfig) else validate_pretrain(data)
 
 
-def apply_overrides(config: PipelineConfig, overrides: list[str]) -> PipelineConfig:
+def apply_overrides(config: BaseModel, overrides: list[str]) -> BaseModel:
     """Apply ``section.key=value`` strings, each value read by its field's type; unknown keys and bad values raise
     ConfigError naming the field."""
     values = {}
@@ -74,6 +77,6 @@ def apply_overrides(config: PipelineConfig, overrides: list[str]) -> PipelineCon
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.lr=3e-4")
         key, raw = item.split("=", 1)
-        parts, annotation = setting_field(key, f"--set {item!r}")
+        parts, annotation = setting_field(key, f"--set {item!r}", type(config))
         values[".".join(parts)] = _parse_value(raw.strip(), annotation)
     return apply_settings(config, values)

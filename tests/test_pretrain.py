@@ -1,0 +1,266 @@
+"""Pretraining: the streamed corpus (dedupe, exclusion of prepared val/test texts, held-out share, resume, errors),
+whole-word masking, and `zhflow pretrain` under torchrun with 2 processes (DDP from scratch; FSDP2 continued from that
+output, with a rank killed mid-epoch), its output fine-tuned by `zhflow run`."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jieba
+import numpy as np
+import pytest
+
+from tests.conftest import sentiment_rows, write_csv
+from training.config import CorpusConfig, EncoderConfig
+from training.corpus import SPECIAL, WORD_START, CorpusError, CorpusShards, prepare_corpus, read_and_clean, word_starts
+from training.mlm import mask_tokens
+
+
+def _zhflow(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).with_name("zhflow")), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "ZHFLOW_HOME": str(cwd / "home"),
+                                                "MLFLOW_TRACKING_URI": f"sqlite:///{cwd / 'mlflow.db'}", **(env or {})})
+
+
+def _texts(n: int) -> list[str]:
+    return [text for text, _ in sentiment_rows(n // 2)]
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory) -> Path:
+    """600 distinct review texts, 100 of them twice, a blank line and one that cleaning empties."""
+    path = tmp_path_factory.mktemp("corpus") / "reviews.txt"
+    texts = _texts(600)
+    path.write_text("\n".join(texts + texts[:100] + ["", "\u200b\u200b"]) + "\n", encoding="utf-8")
+    return path
+
+
+def _tokenizer(texts: list[str]):
+    from transformers import BertTokenizer
+
+    chars = sorted({c for t in texts for c in t})
+    vocab = {tok: i for i, tok in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars)}
+    return BertTokenizer(vocab=vocab)
+
+
+def test_whole_word_masking_masks_the_characters_of_a_jieba_word_together():
+    text = "这本书的质量非常好，物流也很快，包装完整没有破损，下次还会购买"
+    words = list(jieba.tokenize(text))
+    from transformers import AutoTokenizer  # noqa: F401  (the fast tokenizer gives the offsets)
+    from transformers import BertTokenizerFast
+
+    slow = _tokenizer([text])
+    fast = BertTokenizerFast.from_pretrained(_save(slow))
+    enc = fast(text, return_offsets_mapping=True)
+    ids, offsets = np.array(enc["input_ids"]), enc["offset_mapping"]
+    flags = word_starts(text, offsets, jieba.tokenize)
+    assert flags[0] == SPECIAL and flags[-1] == SPECIAL
+    assert (flags == WORD_START).sum() == len(words)  # one start per jieba word (each character is one token here)
+    word_of = np.cumsum(flags == WORD_START)  # the word each token belongs to
+    masked_words, partial = 0, 0
+    for seed in range(200):
+        _, labels = mask_tokens(ids, flags, np.random.default_rng(seed), 0.15, fast.mask_token_id, len(fast), whole_word=True)
+        chosen = labels != -100
+        assert not chosen[flags == SPECIAL].any()
+        for w in np.unique(word_of[chosen]):
+            tokens = (word_of == w) & (flags != SPECIAL)
+            partial += not chosen[tokens].all()
+            masked_words += 1
+        assert chosen.sum() >= 1 and chosen.sum() <= max(round(0.15 * (len(ids) - 2)), max(len(w[0]) for w in words))
+    assert partial == 0 and masked_words > 200
+    # per token: words are cut (a two-character word with one character chosen happens)
+    cuts = 0
+    for seed in range(200):
+        _, labels = mask_tokens(ids, flags, np.random.default_rng(seed), 0.15, fast.mask_token_id, len(fast), whole_word=False)
+        chosen = labels != -100
+        cuts += sum(not chosen[(word_of == w) & (flags != SPECIAL)].all() for w in np.unique(word_of[chosen]))
+        assert chosen.sum() == round(0.15 * (len(ids) - 2))
+    assert cuts > 0
+    # 80/10/10: of many chosen tokens about 80% become [MASK]
+    inputs, labels = mask_tokens(np.tile(ids, 50), np.tile(flags, 50), np.random.default_rng(1), 0.15, fast.mask_token_id,
+                                 len(fast), whole_word=False)
+    chosen = labels != -100
+    assert 0.7 < (inputs[chosen] == fast.mask_token_id).mean() < 0.9
+
+
+def _save(tokenizer) -> str:
+    import tempfile
+
+    folder = tempfile.mkdtemp()
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_the_corpus_is_deduplicated_held_out_and_tokenized_in_shards(corpus_file, tmp_path):
+    manifest = prepare_corpus(CorpusConfig(files=[str(corpus_file)], shard_texts=150, held_out=0.05, num_workers=2),
+                              EncoderConfig(size="tiny", max_len=16), tmp_path / "c", progress=lambda _: None)
+    c = manifest["counts"]
+    assert c["read"] == 702 and c["empty"] == 2 and c["duplicates"] == 100
+    assert c["kept"] + c["held_out"] == 600 and 10 < c["held_out"] < 60
+    assert manifest["shards"] == 4 and manifest["split_texts"] > 0  # texts longer than 16 tokens: several sequences
+    train, held = CorpusShards(tmp_path / "c", "train"), CorpusShards(tmp_path / "c", "heldout")
+    assert len(train) == manifest["train_sequences"] and len(held) == manifest["held_out_sequences"]
+    lengths = [len(train[i][0]) for i in range(len(train))]
+    assert max(lengths) <= 16 and sum(lengths) == manifest["train_tokens"]
+    ids, flags = train[0]
+    assert flags[0] == SPECIAL and flags[-1] == SPECIAL and (flags[1:-1] != SPECIAL).all()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "c" / "tokenizer")
+    assert ids[0] == tokenizer.cls_token_id and ids[-1] == tokenizer.sep_token_id
+    assert tokenizer.convert_ids_to_tokens(tokenizer("非常好")["input_ids"])[1:-1] == ["非", "常", "好"]  # a character a token
+    # held-out texts are never in training: the first pass alone, whose cleaned texts stay on disk
+    read_and_clean(CorpusConfig(files=[str(corpus_file)], shard_texts=150, held_out=0.05), tmp_path / "p1", lambda _: None)
+    held_texts = set((tmp_path / "c" / "heldout.txt").read_text(encoding="utf-8").splitlines())
+    trained = {line for path in (tmp_path / "p1" / "text").glob("*.txt") for line in path.read_text(encoding="utf-8").splitlines()}
+    assert len(held_texts) == c["held_out"] and len(trained) == c["kept"] and not held_texts & trained
+    again = prepare_corpus(CorpusConfig(files=[str(corpus_file)]), EncoderConfig(size="tiny"), tmp_path / "c")
+    assert again == manifest  # a finished folder is returned as it is
+
+
+def test_prepared_validation_and_test_texts_are_removed_from_the_corpus(tmp_path):
+    from training.config import DataConfig, PreprocessConfig
+    from training.data.prepare import prepare_dataset
+
+    rows = sentiment_rows(100)
+    data = write_csv(tmp_path / "labelled.csv", rows)
+    prepare_dataset(DataConfig(dataset=str(data), max_samples=None), PreprocessConfig(), tmp_path / "prepared")
+    held = {json.loads(line)["clean"] for split in ("val", "test")
+            for line in (tmp_path / "prepared" / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()}
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(t for t, _ in rows) + "\n", encoding="utf-8")
+    config = CorpusConfig(files=[str(corpus)], exclude_prepared=[str(tmp_path / "prepared")], held_out=0.0)
+    counts = read_and_clean(config, tmp_path / "c", progress=lambda _: None)
+    assert counts["excluded"] == len(held) > 0 and counts["kept"] == 200 - len(held)
+    kept = set((tmp_path / "c" / "text" / "00000.txt").read_text(encoding="utf-8").splitlines())
+    assert not kept & held
+    # a prepared folder as the corpus: its train split
+    counts = read_and_clean(CorpusConfig(files=[str(tmp_path / "prepared")], held_out=0.0), tmp_path / "c2", lambda _: None)
+    assert counts["kept"] == 200 - len(held)
+
+
+def test_an_interrupted_preparation_goes_on_at_the_next_shard(tmp_path):
+    good, bad = tmp_path / "a.txt", tmp_path / "b.txt"
+    good.write_text("\n".join(_texts(300)) + "\n", encoding="utf-8")
+    bad.write_bytes("\n".join(_texts(40)[::-1]).encode("utf-8") + b"\n\xff\xfe broken\n")
+    config = CorpusConfig(files=[str(good), str(bad)], shard_texts=100, held_out=0.0)
+    with pytest.raises(CorpusError, match=r"b.txt: line 41: .*not valid UTF-8"):
+        read_and_clean(config, tmp_path / "c", progress=lambda _: None)
+    state = json.loads((tmp_path / "c" / "state.json").read_text())
+    assert state["file"] == 1 and state["shards"] == 3  # the first file's shards are kept
+    bad.write_text("\n".join(_texts(340)[300:]) + "\n", encoding="utf-8")  # the second file, mended
+    said = []
+    counts = read_and_clean(config, tmp_path / "c", progress=said.append)
+    assert "going on after shard 3" in said[0]
+    assert counts["kept"] == 340 and counts["read"] == 340 and counts["duplicates"] == 0
+    fresh = read_and_clean(config, tmp_path / "fresh", progress=lambda _: None)
+    assert fresh == counts
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "the file is empty"),
+    (b"\n  \n\xe2\x80\x8b\n", "no text left to pretrain on after cleaning"),
+    (b"\x00\x01\x02binary\x00" * 50, "not a text file"),
+], ids=["empty", "empty-after-cleaning", "binary"])
+def test_a_corpus_with_nothing_to_learn_is_one_clear_error_naming_the_file(tmp_path, content, message):
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(content)
+    out = _zhflow(["pretrain", "--corpus", str(path), "--size", "tiny", "--nproc", "1"], tmp_path, timeout=300)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("zhflow: error: ") and str(path) in line and message in line, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+
+
+def test_bad_pretraining_settings_name_the_field(tmp_path, corpus_file):
+    for args, message in ((["--size", "huge"], "model.size"), (["--set", "model.mask_prob=1.5"], "model.mask_prob"),
+                          (["--set", "corpus.nothing=1"], "corpus has no setting 'nothing'"),
+                          (["--from", str(tmp_path / "nope")], "model.init_from"),
+                          (["--exclude-prepared", str(tmp_path)], "corpus.exclude_prepared")):
+        out = _zhflow(["pretrain", "--corpus", str(corpus_file), *args], tmp_path, timeout=120)
+        assert out.returncode == 2 and message in out.stderr, (args, out.stderr[-1500:])
+        assert not (tmp_path / "mlflow.db").exists()  # refused before any run was recorded
+    fsdp = _zhflow(["run", "--preset", "tiny", "--set", "train.strategy=fsdp"], tmp_path, timeout=120)
+    assert fsdp.returncode == 2 and "train.strategy" in fsdp.stderr
+
+
+@pytest.fixture(scope="module")
+def pretrained_ddp(corpus_file, tmp_path_factory):
+    """`zhflow pretrain` from scratch, 2 DDP processes on gloo: (working folder, summary)."""
+    cwd = tmp_path_factory.mktemp("pretrain-ddp")
+    out = _zhflow(["pretrain", "--corpus", str(corpus_file), "--size", "tiny", "--nproc", "2", "--out", str(cwd / "zh-tiny"),
+                   "--set", "model.max_len=32", "--set", "train.epochs=4", "--set", "train.batch_size=16",
+                   "--set", "train.lr=3e-3", "--set", "corpus.held_out=0.1", "--json-out", str(cwd / "summary.json")], cwd)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "encoder: " in out.stdout and "zhflow run --pretrained" in out.stdout
+    return cwd, json.loads((cwd / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_pretraining_from_scratch_with_two_processes_is_tracked_and_loads_with_from_pretrained(pretrained_ddp):
+    from mlflow.tracking import MlflowClient
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    from tasks.tracking import PARENT_KIND_TAG
+
+    cwd, summary = pretrained_ddp
+    assert summary["world_size"] == 2 and summary["strategy"] == "ddp" and summary["epochs_run"] == 4
+    assert summary["corpus"]["duplicates"] == 100 and summary["restarts"] == 0
+    import math
+
+    assert summary["perplexity"] < 0.5 * summary["vocab_size"]  # a model that learned nothing: about the vocabulary's size
+    client = MlflowClient(f"sqlite:///{cwd / 'mlflow.db'}")
+    pretrain_run = client.get_run(summary["pretrain_run_id"])
+    history = client.get_metric_history(summary["pretrain_run_id"], "heldout_perplexity")
+    assert len(history) == 4 and history[-1].value < history[0].value  # it learns
+    assert math.isfinite(history[-1].value)
+    assert pretrain_run.data.params["train.strategy"] == "ddp" and "peak_memory_mb_rank1" in pretrain_run.data.metrics
+    assert "tokens_per_second" in pretrain_run.data.metrics
+    corpus_run = client.get_run(summary["corpus_run_id"])
+    assert corpus_run.inputs.dataset_inputs and corpus_run.data.metrics["count_duplicates"] == 100
+    parent = client.get_run(summary["run_id"])
+    assert parent.data.tags[PARENT_KIND_TAG] == "pretrain" and parent.data.params["model.masking"] == "wwm"
+    artifacts = {a.path for a in client.list_artifacts(summary["pretrain_run_id"], "encoder")}
+    assert "encoder/model.safetensors" in artifacts and "encoder/config.json" in artifacts
+    model = AutoModelForMaskedLM.from_pretrained(summary["output"])
+    tokenizer = AutoTokenizer.from_pretrained(summary["output"])
+    import torch
+
+    enc = tokenizer("物流很快[MASK]装很好", return_tensors="pt")
+    with torch.no_grad():
+        assert model(**enc).logits.shape[-1] == len(tokenizer)
+
+
+@pytest.mark.slow
+def test_fsdp_continues_pretraining_resumes_a_killed_rank_and_the_result_fine_tunes(pretrained_ddp, corpus_file):
+    """FSDP2 on 2 gloo processes, continued from the DDP run's encoder (--from, its tokenizer); rank 1 is SIGKILLed at
+    step 5, torchrun restarts the group, and it resumes from the last sharded checkpoint without logging a step twice.
+    Then `zhflow run --pretrained` fine-tunes the output."""
+    from mlflow.tracking import MlflowClient
+
+    cwd, first = pretrained_ddp
+    out = _zhflow(["pretrain", "--corpus", str(corpus_file), "--from", first["output"], "--strategy", "fsdp", "--nproc", "2",
+                   "--out", str(cwd / "zh-tiny-2"), "--set", "train.epochs=2", "--set", "train.batch_size=16",
+                   "--set", "train.lr=1e-3", "--set", "train.max_restarts=1", "--set", "model.max_len=32",
+                   "--set", "checkpoint_minutes=1e-6",
+                   "--json-out", str(cwd / "fsdp.json")], cwd,
+                  env={"ZHFLOW_TEST_KILL_AT_STEP": "5", "ZHFLOW_TEST_KILL_ONCE_FILE": str(cwd / "killed")})
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    summary = json.loads((cwd / "fsdp.json").read_text())
+    assert (cwd / "killed").exists() and summary["restarts"] == 1 and summary["strategy"] == "fsdp"
+    assert summary["resumed_at_step"] == 4  # from the checkpoint after step 4 (one after every step here)
+    client = MlflowClient(f"sqlite:///{cwd / 'mlflow.db'}")
+    steps = [m.step for m in client.get_metric_history(summary["pretrain_run_id"], "mlm_loss")]
+    assert steps == sorted(set(steps)) and steps  # every step once
+    assert summary["perplexity"] < first["perplexity"] * 1.5  # continued, not restarted from random weights
+    assert client.get_run(summary["pretrain_run_id"]).data.tags["restarts"] == "1"
+    data = write_csv(cwd / "labelled.csv", sentiment_rows(60))
+    run = _zhflow(["run", "--preset", "tiny", "--pretrained", summary["output"], "--dataset", str(data), "--nproc", "1",
+                   "--set", "data.max_samples=null", "--set", "train.epochs=10", "--set", "train.patience=10", "--set", "train.lr=2e-3",
+                   "--set", "train.batch_size=8", "--set", "prune.amount=0", "--set", "select.candidates=neural",
+                   "--set", "preprocess.max_len=32", "--json-out", str(cwd / "run.json")], cwd)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    fine = json.loads((cwd / "run.json").read_text())
+    assert fine["metrics"]["test_macro_f1"] > 0.7  # templated reviews: a model that learned nothing scores ~0.33-0.5
