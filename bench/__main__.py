@@ -18,11 +18,12 @@ from pathlib import Path
 # the temporary Prefect server a section's flow starts gets 20 s by default: too little on a busy 2-core machine
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
-from bench import common, datasets, defaults, distill, orchestration, preprocess, pretrained, pruning, quality, sweeps, tracking, training
+from bench import common, datasets, defaults, distill, orchestration, preprocess, pretrain, pretrained, pruning, quality, sweeps, tracking, training
 from bench.common import machine, verdict
 
 SECTIONS = {"preprocess": preprocess.run, "training": training.run, "datasets": datasets.run, "quality": quality.run, "pruning": pruning.run,
-            "distill": distill.run, "pretrained": pretrained.run, "pretrained_quality": pretrained.run_quality, "orchestration": orchestration.run, "tracking": tracking.run, "sweeps": sweeps.run,
+            "distill": distill.run, "pretrained": pretrained.run, "pretrained_quality": pretrained.run_quality,
+            "pretraining": pretrain.run, "pretraining_gain": pretrain.run_gain, "orchestration": orchestration.run, "tracking": tracking.run, "sweeps": sweeps.run,
             "defaults": defaults.run}  # in this order
 ON_REQUEST = {"defaults"}  # too long for a plain run (about 90 min): --only defaults
 

@@ -20,7 +20,7 @@ def test_smoke_bench_writes_every_section(tmp_path):
     report = out.read_text(encoding="utf-8")
     for heading in ("## Preprocessing", "## Training throughput", "## The default run on every dataset", "## Quality and leakage", "## Pruning",
                     "## Distillation",
-                    "## Pretrained family", "## Pretrained family from scratch",
+                    "## Pretrained family", "## Pretrained family from scratch", "## Pretraining", "## Does pretraining pay here",
                     "## Orchestration overhead", "## Tracking cost", "## Sweeps"):
         assert heading in report
     assert "Machine:" in report and report.count("**met**") + report.count("**missed**") >= 9

@@ -115,6 +115,14 @@ def encoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
+def resident_mb() -> float:
+    """This process's resident memory now (Linux; 0 where /proc is missing)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -126,6 +134,7 @@ class PretrainTrainer:
         from transformers import AutoModelForMaskedLM, AutoTokenizer
 
         self.job, self.info, self.t = job, info, job.train
+        self.base_memory_mb = resident_mb()  # the process before the model: interpreter, torch, transformers
         self.out, self.corpus = Path(job.out_dir), Path(job.corpus_dir)
         self.manifest = json.loads((self.corpus / MANIFEST).read_text())
         self.tokenizer = AutoTokenizer.from_pretrained(self.corpus / TOKENIZER_DIR)
@@ -333,12 +342,12 @@ class PretrainTrainer:
             held = self._held_out_loss() if len(self.held_out) else math.nan
             if not cut:
                 self.epoch, self.batch = self.epoch + 1, 0
-            memory = distributed.all_gather_objects(peak_memory_mb(self.info.device), self.info)
+            memory = distributed.all_gather_objects(peak_memory_mb(self.info.device), self.info)  # before this epoch's checkpoint
             record_ = {"epoch": self.epoch, "step": self.step, "train_loss": loss, "heldout_loss": held,
                        "heldout_perplexity": math.exp(min(held, 50)) if held == held else math.nan,
-                       "tokens_per_second": rate, "epoch_seconds": time.perf_counter() - started}
+                       "tokens_per_second": rate, "epoch_seconds": time.perf_counter() - started, "peak_memory_mb": memory}
             self.history.append(record_)
-            self.log.add(self.step, **{k: v for k, v in record_.items() if k != "step" and v == v},
+            self.log.add(self.step, **{k: v for k, v in record_.items() if k not in ("step", "peak_memory_mb") and v == v},
                          **{f"peak_memory_mb_rank{r}": m for r, m in enumerate(memory)})
             self._save()
             self.emit("epoch", **record_)
@@ -354,7 +363,8 @@ class PretrainTrainer:
                   "world_size": self.info.world_size, "strategy": self.t.strategy, "restarts": self.restarts,
                   "resumed_at_step": self.resumed_at_step, "heldout_loss": last.get("heldout_loss"),
                   "heldout_perplexity": last.get("heldout_perplexity"), "tokens_per_second": last.get("tokens_per_second"),
-                  "peak_memory_mb": memory, "parameters": sum(p.numel() for p in self.raw.parameters())}  # a sharded parameter counts whole
+                  "peak_memory_mb": memory, "base_memory_mb": distributed.all_gather_objects(self.base_memory_mb, self.info),
+                  "parameters": sum(p.numel() for p in self.raw.parameters())}  # a sharded parameter counts whole
         self.log.set_tag("stop_reason", stopped)
         self.log.flush()
         self.emit("result", **result)
