@@ -41,7 +41,7 @@ from training.evaluate import autocast, autocast_dtype
 from training.events import EVENTS_FILE, EventWriter
 from training.job import PretrainJob
 from training.metric_logger import MetricLogger, NullLogger
-from training.worker import LRSchedule, _fault_injection, parameter_groups
+from training.worker import LRSchedule, RankZeroOutput, _fault_injection, parameter_groups
 
 CHECKPOINTS = "ckpt"
 LATEST = "latest.json"
@@ -129,7 +129,7 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-class PretrainTrainer:
+class PretrainTrainer(RankZeroOutput):
     def __init__(self, job: PretrainJob, info: distributed.DistInfo):
         from transformers import AutoModelForMaskedLM, AutoTokenizer
 
@@ -233,14 +233,6 @@ class PretrainTrainer:
         self._saved_at = time.perf_counter()
 
     # ---- the loop -------------------------------------------------------------------------------------------------
-    def print(self, msg: str) -> None:
-        if self.info.is_main:
-            print(f"[{self.job.stage}] {msg}", flush=True)
-
-    def emit(self, event: str, **data) -> None:
-        if self.events is not None:
-            self.events.emit(event, **data)
-
     def _batch(self, indices: list[int], epoch: int, number: int) -> dict[str, torch.Tensor]:
         rng = np.random.default_rng([self.t.seed, self.info.rank, epoch, number])
         rows = [mask_tokens(*self.train_set[i], rng, self.job.model.mask_prob, self.mask_id, self.vocab,

@@ -183,7 +183,20 @@ def epoch_seed(seed: int, rank: int, epoch: int) -> int:
     return int(np.random.SeedSequence([seed, rank, epoch]).generate_state(1)[0])
 
 
-class Trainer:
+class RankZeroOutput:
+    """Progress lines for people and events for the launcher, from rank 0 only (``job``, ``info``, ``events`` set)."""
+
+    def print(self, msg: str) -> None:
+        if self.info.is_main:
+            print(f"[{self.job.stage}] {msg}", flush=True)
+
+    def emit(self, event: str, **data) -> None:
+        """An event for the launcher (training.events)."""
+        if self.events is not None:
+            self.events.emit(event, **data)
+
+
+class Trainer(RankZeroOutput):
     def __init__(self, job: WorkerJob, info: distributed.DistInfo):
         self.job, self.info = job, info
         self.out = Path(job.out_dir)
@@ -309,15 +322,6 @@ class Trainer:
         return self.family.export(model, self.out / "export", self.job.prepared_dir, load_manifest(self.job.prepared_dir)["labels"])
 
     # ---- the loop -------------------------------------------------------------
-    def print(self, msg: str) -> None:
-        if self.info.is_main:
-            print(f"[{self.job.stage}] {msg}", flush=True)
-
-    def emit(self, event: str, **data) -> None:
-        """An event for the launcher (training.events), from rank 0 only."""
-        if self.events is not None:
-            self.events.emit(event, **data)
-
     def _run_epoch(self) -> float:
         self.sampler.set_epoch(self.epoch)
         torch.manual_seed(epoch_seed(self.job.train.seed, self.info.rank, self.epoch))
