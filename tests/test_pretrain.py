@@ -93,6 +93,62 @@ def _save(tokenizer) -> str:
     return folder
 
 
+def _shard_new_encoder(rank: int, world: int, store: str, out: str) -> None:
+    """One rank: a new BERT built on the meta device, sharded by FSDP2, each rank initialising its own shards."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForMaskedLM, BertConfig
+
+    from training.distributed import DistInfo
+    from training.mlm import materialise_shards, parameters_on_meta
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        config = BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                            vocab_size=300, max_position_embeddings=40)
+        with parameters_on_meta():
+            model = AutoModelForMaskedLM.from_config(config)
+        assert all(p.device.type == "meta" for p in model.parameters())
+        for layer in model.bert.encoder.layer:
+            fully_shard(layer)
+        fully_shard(model)
+        materialise_shards(model, DistInfo(rank, rank, world, torch.device("cpu")), seed=13)
+        full = {name: p.full_tensor().detach() for name, p in model.named_parameters()}
+        ids = torch.randint(5, 300, (4, 12), generator=torch.Generator().manual_seed(rank))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(3):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss))
+        if rank == 0:
+            torch.save({"full": full, "losses": losses, "position_ids": model.bert.embeddings.position_ids.clone(),
+                        "tied": model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_new_encoder_under_fsdp_is_built_on_meta_and_each_rank_initialises_its_own_shards(tmp_path):
+    import torch
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_shard_new_encoder, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True)
+    found = torch.load(out, weights_only=True)
+    words = found["full"]["bert.embeddings.word_embeddings.weight"]
+    assert not torch.equal(words[:150], words[150:])  # the two ranks' shards are not one draw twice
+    assert 0.015 < float(words.std()) < 0.025  # normal(0, initializer_range 0.02), as init_weights draws it
+    assert torch.equal(found["full"]["bert.encoder.layer.0.output.LayerNorm.weight"], torch.ones(32))
+    assert torch.equal(found["full"]["bert.encoder.layer.0.output.dense.bias"], torch.zeros(32))
+    assert torch.equal(found["position_ids"], torch.arange(40).unsqueeze(0))  # buffers kept, not left empty
+    assert found["tied"]
+    assert all(np.isfinite(found["losses"])) and found["losses"][-1] < found["losses"][0]
+
+
 def test_the_corpus_is_deduplicated_held_out_and_tokenized_in_shards(corpus_file, tmp_path):
     manifest = prepare_corpus(CorpusConfig(files=[str(corpus_file)], shard_texts=150, held_out=0.05, num_workers=2),
                               EncoderConfig(size="tiny", max_len=16), tmp_path / "c", progress=lambda _: None)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import math
 import os
@@ -115,6 +116,57 @@ def encoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Modules built inside get their parameters on the meta device (each one is created, then its storage dropped at
+    once, so no more than one parameter is ever allocated); buffers such as position ids stay real."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def materialise_shards(model: torch.nn.Module, info: distributed.DistInfo, seed: int) -> None:
+    """Storage for a model built on the meta device and sharded by ``fully_shard``: each rank allocates and
+    initialises only its own shards (as ``init_weights`` would the whole model: normal(0, initializer_range), norms at
+    one, biases at zero), so no rank ever holds the full model. The shards are drawn from a generator seeded by
+    (seed, rank): they are distinct rows of one initialisation, reproducible for a given number of ranks."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=info.device)
+    with torch.no_grad():
+        for name, value in buffers.items():
+            owner, _, leaf = name.rpartition(".")
+            getattr(model.get_submodule(owner), leaf).copy_(value.to(info.device))
+        state = torch.random.get_rng_state()
+        torch.manual_seed(int(np.random.SeedSequence([seed, info.rank, 11]).generate_state(1)[0]))
+        for module in model.modules():  # marked when the model was built; its storage is new now
+            module.__dict__.pop("_is_hf_initialized", None)
+        model.init_weights()
+        torch.random.set_rng_state(state)
+
+
+def release_freed_memory() -> None:
+    """Large blocks freed by this process go back to the system at once (glibc: a fixed mmap threshold of 128 KiB
+    instead of the dynamic one that grows to 32 MiB and keeps freed gathers and activations in the heap). Under FSDP
+    on CPU that is the memory the sharding saves; it costs some speed (about a fifth on a small encoder), which is why
+    only ``train.strategy=fsdp`` asks for it. A ``MALLOC_MMAP_THRESHOLD_`` the user set is left as it is."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(ctypes.c_int(-3), ctypes.c_int(128 * 1024))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def resident_mb() -> float:
     """This process's resident memory now (Linux; 0 where /proc is missing)."""
     try:
@@ -139,19 +191,27 @@ class PretrainTrainer(RankZeroOutput):
         self.manifest = json.loads((self.corpus / MANIFEST).read_text())
         self.tokenizer = AutoTokenizer.from_pretrained(self.corpus / TOKENIZER_DIR)
         self.pad_id, self.mask_id, self.vocab = self.tokenizer.pad_token_id, self.tokenizer.mask_token_id, len(self.tokenizer)
+        self.fsdp = self.t.strategy == "fsdp"
+        self.amp_dtype = autocast_dtype(self.t.precision, info.device)
+        if self.fsdp and info.device.type == "cpu":
+            release_freed_memory()
         torch.manual_seed(self.t.seed)  # the same initial weights on every rank
+        # a new encoder under FSDP is built without storage and each rank initialises only its own shards
+        on_meta = self.fsdp and not job.model.init_from
         if job.model.init_from:
             from training.models.pretrained import _load
 
             model = _load("AutoModelForMaskedLM", job.model.init_from)
+        elif on_meta:
+            with parameters_on_meta():
+                model = AutoModelForMaskedLM.from_config(encoder_config(job, self.tokenizer))
         else:
             model = AutoModelForMaskedLM.from_config(encoder_config(job, self.tokenizer))
         self.config = model.config
         if self.t.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.to(info.device)
-        self.fsdp = self.t.strategy == "fsdp"
-        self.amp_dtype = autocast_dtype(self.t.precision, info.device)
+        if not on_meta:
+            model.to(info.device)
         if self.fsdp:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -159,6 +219,8 @@ class PretrainTrainer(RankZeroOutput):
             for layer in encoder_layers(model):
                 fully_shard(layer, mp_policy=policy)
             fully_shard(model, mp_policy=policy)
+            if on_meta:
+                materialise_shards(model, info, self.t.seed)
             self.model = model
         else:
             self.model = DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None) if info.ddp else model
