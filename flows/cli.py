@@ -240,7 +240,6 @@ def pretrain_command(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         check_pretrain(config)  # a missing file or checkpoint: one line now, no run recorded, no server started
     except (ConfigError, CorpusError) as err:
         parser.exit(2, f"zhflow: error: {err}\n")
-    _quiet_env()
     from flows.pretrain import pretrain
 
     try:
@@ -282,7 +281,6 @@ def sweep_command(args: argparse.Namespace, config: PipelineConfig) -> int:
     if args.trials < 1 or args.parallel < 1:
         print(f"zhflow: error: --trials and --parallel must be at least 1 (got {args.trials}, {args.parallel})", file=sys.stderr)
         return 2
-    _quiet_env()
     from flows.sweep import sweep
 
     try:
@@ -336,7 +334,6 @@ def predict_command(args: argparse.Namespace) -> int:
     if not texts:
         print("zhflow: error: no texts: give them as arguments or with --input FILE", file=sys.stderr)
         return 2
-    _quiet_env()
     import mlflow
     from mlflow.exceptions import MlflowException
 
@@ -390,7 +387,6 @@ def preprocess_command(config: PipelineConfig, out: Path) -> int:
 
 def evaluate_command(args: argparse.Namespace) -> int:
     """Check the file, the labels and the model URI first (one line and exit code 2 if wrong), then run the flow."""
-    _quiet_env()
     from tasks.score import EvaluationError, check_evaluation, read_label_map
     from training.data.readers import DatasetError
 
@@ -436,13 +432,15 @@ def describe_failure(err: BaseException) -> str:
 
 
 def _quiet_env() -> None:
-    from tasks.tracking import apply_mlflow_defaults
-
-    apply_mlflow_defaults()  # MLflow's HTTP retries bounded, pickled models refused
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    """The environment zhflow's commands run in. Prefect reads its settings once, when it is first imported: this
+    comes before any import of it (``tasks`` imports it)."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry from the temporary server
     # the temporary server gets 20 s to start by default: too little on a busy 2-core machine
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    from tasks.tracking import apply_mlflow_defaults
+
+    apply_mlflow_defaults()  # MLflow's HTTP retries bounded, pickled models refused
 
 
 def _mlflow_ui() -> str:
@@ -541,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    _quiet_env()  # before anything imports Prefect
     from tasks.recover import OWNER_ENV, owner
 
     os.environ[OWNER_ENV] = owner()  # every process started from here (the temporary Prefect server too) is found again after a kill
@@ -591,7 +590,6 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         parser.exit(2, f"zhflow: error: {err}\n")
     if args.command == "sweep":
         return sweep_command(args, config)
-    _quiet_env()
     from flows.pipeline import train_pipeline  # after validation: bad flags fail fast, before Prefect loads
 
     try:

@@ -47,3 +47,32 @@ def test_help_lists_the_options():
     out = subprocess.run([ZHFLOW, "run", "--help"], capture_output=True, text=True, timeout=60)
     for option in ("--dataset", "--preset", "--model", "--nproc", "--experiment", "--set", "--json-out"):
         assert option in out.stdout
+
+
+PREFECT_IMPORT_PROBE = """
+import importlib.abc, os, sys
+seen = []
+class Probe(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "prefect" and not seen:
+            seen.append(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"))
+        return None
+sys.meta_path.insert(0, Probe())
+from deployments.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+print("prefect imported with", seen)
+"""
+
+
+@pytest.mark.parametrize("args", [["run", "--dataset", "missing.csv"], ["pretrain", "--corpus", "missing.txt"],
+                                  ["sweep", "--dataset", "missing.csv"]])
+def test_the_temporary_prefect_server_gets_its_start_time_before_prefect_reads_its_settings(args, tmp_path):
+    # Prefect reads its settings once, at its first import: a variable set after it is never seen (the temporary
+    # server then gets 20 s to start, which a busy 2-core machine misses)
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("PREFECT_SERVER_EPHEMERAL")}
+    done = subprocess.run([sys.executable, "-c", PREFECT_IMPORT_PROBE, *args], cwd=tmp_path, capture_output=True, text=True,
+                          env=env | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}, timeout=120)
+    assert "prefect imported with ['120']" in done.stdout, done.stdout + done.stderr
