@@ -116,6 +116,18 @@ def _shard_new_encoder(rank: int, world: int, store: str, out: str) -> None:
         fully_shard(model)
         materialise_shards(model, DistInfo(rank, rank, world, torch.device("cpu")), seed=13)
         full = {name: p.full_tensor().detach() for name, p in model.named_parameters()}
+        # a checkpoint that rank 0 alone reads, broadcast into the shards of another model built on meta
+        with parameters_on_meta():
+            again = AutoModelForMaskedLM.from_config(config)
+        for layer in again.bert.encoder.layer:
+            fully_shard(layer)
+        fully_shard(again)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # as a loaded model's state_dict()
+        source = {name: tensor * 2 if tensor.is_floating_point() else tensor for name, tensor in whole.items()} if rank == 0 else None
+        materialise_shards(again, DistInfo(rank, rank, world, torch.device("cpu")), seed=99, from_checkpoint=True, checkpoint=source)
+        copied = all(torch.equal(p.full_tensor().detach(), full[name] * 2) for name, p in again.named_parameters())
         ids = torch.randint(5, 300, (4, 12), generator=torch.Generator().manual_seed(rank))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses = []
@@ -127,12 +139,13 @@ def _shard_new_encoder(rank: int, world: int, store: str, out: str) -> None:
             losses.append(float(loss))
         if rank == 0:
             torch.save({"full": full, "losses": losses, "position_ids": model.bert.embeddings.position_ids.clone(),
-                        "tied": model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight}, out)
+                        "tied": model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight,
+                        "copied": copied}, out)
     finally:
         dist.destroy_process_group()
 
 
-def test_a_new_encoder_under_fsdp_is_built_on_meta_and_each_rank_initialises_its_own_shards(tmp_path):
+def test_under_fsdp_an_encoder_is_built_on_meta_and_each_rank_fills_only_its_own_shards(tmp_path):
     import torch
     import torch.multiprocessing as mp
 
@@ -146,6 +159,7 @@ def test_a_new_encoder_under_fsdp_is_built_on_meta_and_each_rank_initialises_its
     assert torch.equal(found["full"]["bert.encoder.layer.0.output.dense.bias"], torch.zeros(32))
     assert torch.equal(found["position_ids"], torch.arange(40).unsqueeze(0))  # buffers kept, not left empty
     assert found["tied"]
+    assert found["copied"]  # every rank's shards hold what rank 0 read
     assert all(np.isfinite(found["losses"])) and found["losses"][-1] < found["losses"][0]
 
 

@@ -134,17 +134,26 @@ def parameters_on_meta():
         torch.nn.Module.register_parameter = register
 
 
-def materialise_shards(model: torch.nn.Module, info: distributed.DistInfo, seed: int) -> None:
-    """Storage for a model built on the meta device and sharded by ``fully_shard``: each rank allocates and
-    initialises only its own shards (as ``init_weights`` would the whole model: normal(0, initializer_range), norms at
-    one, biases at zero), so no rank ever holds the full model. The shards are drawn from a generator seeded by
-    (seed, rank): they are distinct rows of one initialisation, reproducible for a given number of ranks."""
+def materialise_shards(model: torch.nn.Module, info: distributed.DistInfo, seed: int, from_checkpoint: bool = False,
+                       checkpoint: dict | None = None) -> None:
+    """Storage for a model built on the meta device and sharded by ``fully_shard``: each rank allocates only its own
+    shards. ``from_checkpoint``: they are filled from ``checkpoint``, the full state dict that rank 0 alone has read,
+    rank 0 broadcasting. Else each rank initialises its shards as ``init_weights`` would the whole model (normal(0,
+    initializer_range), norms at one, biases at zero), drawn from a generator seeded by (seed, rank): distinct rows of
+    one initialisation, reproducible for a given number of ranks. No rank but rank 0 reading a checkpoint ever holds
+    the full model."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     model.to_empty(device=info.device)
     with torch.no_grad():
         for name, value in buffers.items():
             owner, _, leaf = name.rpartition(".")
             getattr(model.get_submodule(owner), leaf).copy_(value.to(info.device))
+        if from_checkpoint:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(model, (checkpoint or {}) if info.is_main else {},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+            return
         state = torch.random.get_rng_state()
         torch.manual_seed(int(np.random.SeedSequence([seed, info.rank, 11]).generate_state(1)[0]))
         for module in model.modules():  # marked when the model was built; its storage is new now
@@ -196,15 +205,24 @@ class PretrainTrainer(RankZeroOutput):
         if self.fsdp and info.device.type == "cpu":
             release_freed_memory()
         torch.manual_seed(self.t.seed)  # the same initial weights on every rank
-        # a new encoder under FSDP is built without storage and each rank initialises only its own shards
-        on_meta = self.fsdp and not job.model.init_from
-        if job.model.init_from:
+        # under FSDP the encoder is built without storage and each rank fills only its own shards: a new one from
+        # its initialisation, a checkpoint from rank 0, the one rank that reads it whole
+        on_meta, checkpoint = self.fsdp, None
+        if job.model.init_from and not on_meta:
             from training.models.pretrained import _load
 
             model = _load("AutoModelForMaskedLM", job.model.init_from)
         elif on_meta:
+            if job.model.init_from:
+                from training.models.pretrained import _load, load_config
+
+                config = load_config(job.model.init_from)
+                if info.is_main:
+                    checkpoint = _load("AutoModelForMaskedLM", job.model.init_from).state_dict()
+            else:
+                config = encoder_config(job, self.tokenizer)
             with parameters_on_meta():
-                model = AutoModelForMaskedLM.from_config(encoder_config(job, self.tokenizer))
+                model = AutoModelForMaskedLM.from_config(config)
         else:
             model = AutoModelForMaskedLM.from_config(encoder_config(job, self.tokenizer))
         self.config = model.config
@@ -219,8 +237,7 @@ class PretrainTrainer(RankZeroOutput):
             for layer in encoder_layers(model):
                 fully_shard(layer, mp_policy=policy)
             fully_shard(model, mp_policy=policy)
-            if on_meta:
-                materialise_shards(model, info, self.t.seed)
+            materialise_shards(model, info, self.t.seed, bool(job.model.init_from), checkpoint)
             self.model = model
         else:
             self.model = DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None) if info.ddp else model
