@@ -149,7 +149,8 @@ def throughput(tmp: Path, texts: list[str], quick: bool, repeats: int) -> list[s
         f"| fsdp | {best['fsdp']:,.0f} |",
         "",
         f"FSDP2 runs at {best['fsdp'] / best['ddp']:.2f}x DDP's speed here: on a model this small the all-gathers of "
-        "every layer cost more than the memory they save is worth; FSDP is for the models that do not fit.",
+        "every layer, and the memory FSDP gives back to the system after each (see Memory), cost more than the memory "
+        "they save is worth; FSDP is for the models that do not fit.",
         "",
     ]
 
