@@ -21,6 +21,7 @@ from bench.common import quick_size, verdict
 from training.config import CorpusConfig, EncoderConfig, TrainConfig
 from training.events import EVENTS_FILE, EventReader
 from training.job import PretrainJob
+from training.mlm import MMAP_THRESHOLD
 
 BIG = {"model_type": "bert", "num_hidden_layers": 15, "hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072}
 SMALL = {"model_type": "bert", "num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 2, "intermediate_size": 512}
@@ -80,7 +81,7 @@ def _config_file(tmp: Path, name: str, shape: dict) -> str:
     return str(path)
 
 
-RELEASE = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}  # what the worker sets itself under FSDP on CPU
+RELEASE = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}  # what the worker sets itself under FSDP on CPU
 
 
 def memory(tmp: Path, texts: list[str]) -> list[str]:

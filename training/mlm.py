@@ -46,6 +46,7 @@ from training.worker import LRSchedule, RankZeroOutput, _fault_injection, parame
 
 CHECKPOINTS = "ckpt"
 LATEST = "latest.json"
+MMAP_THRESHOLD = 128 * 1024  # bytes: larger blocks are mapped, and unmapped when freed (release_freed_memory)
 
 
 def mask_tokens(ids: np.ndarray, words: np.ndarray, rng: np.random.Generator, mask_prob: float, mask_id: int,
@@ -171,7 +172,7 @@ def release_freed_memory() -> None:
         return
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(ctypes.c_int(-3), ctypes.c_int(128 * 1024))  # M_MMAP_THRESHOLD
+        libc.mallopt(ctypes.c_int(-3), ctypes.c_int(MMAP_THRESHOLD))  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):  # not glibc
         pass
 
