@@ -69,10 +69,19 @@ def pretrain(corpus: Path, tmp: Path, size: str, strategy: str = "ddp", nproc: i
            "-m", "training.mlm", "--config", str(out / "job.json")]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if run.returncode:
-        raise RuntimeError(f"pretraining failed ({run.returncode}): {run.stdout[-2000:]}{run.stderr[-2000:]}")
+        (out / "stderr.txt").write_text(run.stderr)
+        raise RuntimeError(f"pretraining failed ({run.returncode}): {run.stdout[-2000:]}{_worker_error(run.stderr)}")
     events = EventReader(out / EVENTS_FILE).read()
     result = next(e for e in events if e["event"] == "result")
     return {**result, "epochs": [e for e in events if e["event"] == "epoch"], "out": out}
+
+
+def _worker_error(stderr: str, size: int = 4000) -> str:
+    """What a failed worker itself said (a Python traceback, or the stacks ``faulthandler`` prints for a rank that died
+    of a signal), which torchrun's own traceback after it would push out of a plain tail."""
+    marks = [stderr.find(m) for m in ("Fatal Python error", "terminate called", "Traceback") if m in stderr]
+    start = min(marks) if marks else max(0, len(stderr) - size)
+    return stderr[start:start + size] + ("\n[...]\n" + stderr[-1000:] if start + size < len(stderr) else "")
 
 
 def _config_file(tmp: Path, name: str, shape: dict) -> str:

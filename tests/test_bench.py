@@ -16,7 +16,7 @@ def test_smoke_bench_writes_every_section(tmp_path):
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}", ZHFLOW_HOME=str(tmp_path / "home"))
     run = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--out", str(out)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-8000:]
     report = out.read_text(encoding="utf-8")
     for heading in ("## Preprocessing", "## Training throughput", "## The default run on every dataset", "## Quality and leakage", "## Pruning",
                     "## Distillation",

@@ -6,6 +6,7 @@ is a world of one. The backend follows the device: nccl on CUDA, gloo on CPU.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,6 +37,7 @@ class DistInfo:
 
 
 def setup() -> DistInfo:
+    faulthandler.enable()  # a rank that dies of a signal (SIGABRT, SIGSEGV) prints where every thread was
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -73,8 +75,14 @@ def group_restarts(info: DistInfo) -> int:
     return int(count.item())
 
 
-def cleanup() -> None:
+def cleanup(finished: bool = False) -> None:
+    """Leave the process group. A rank that ``finished`` its work first waits for the others at a barrier, so no rank
+    closes its sockets while a peer is still on its way out (gloo's transport thread can abort a process whose peer
+    hung up under it). A failing rank leaves at once: its peers may be inside another collective, and torchrun ends
+    them when this one exits."""
     if dist.is_available() and dist.is_initialized():
+        if finished and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -469,15 +469,18 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     job = PretrainJob.model_validate_json(Path(args.config).read_text())
     info = distributed.setup()
+    finished = False
     try:
         Path(job.out_dir).mkdir(parents=True, exist_ok=True)
         trainer = PretrainTrainer(job, info)
         trainer.print(f"{info.world_size} process(es) on {info.device.type} ({job.train.strategy}), {torch.get_num_threads()} "
                       f"thread(s) each; {len(trainer.train_set)} sequences ({trainer.manifest['train_tokens']} tokens), "
                       f"{len(trainer.held_out)} held out; {trainer.total_steps} steps")
-        return trainer.train()
+        result = trainer.train()
+        finished = True
+        return result
     finally:
-        distributed.cleanup()
+        distributed.cleanup(finished)
 
 
 if __name__ == "__main__":

@@ -487,16 +487,19 @@ def main(argv: list[str] | None = None) -> dict:
 
         monitor = SystemMetricsMonitor(job.mlflow_run_id, resume_logging=True)  # an elastic restart goes on from its last step
         monitor.start()
+    finished = False
     try:
         Path(job.out_dir).mkdir(parents=True, exist_ok=True)
         trainer = Trainer(job, info)
         trainer.print(f"{info.world_size} process(es) on {info.device.type}, {torch.get_num_threads()} thread(s) each; "
                       f"{len(trainer.train_set)} train / {len(trainer.val_set)} val texts; {trainer.total_steps} steps")
-        return trainer.train()
+        result = trainer.train()
+        finished = True
+        return result
     finally:
         if monitor is not None:
             monitor.finish()
-        distributed.cleanup()
+        distributed.cleanup(finished)
 
 
 if __name__ == "__main__":
