@@ -11,6 +11,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.bench
 def test_smoke_bench_writes_every_section(tmp_path):
     out = tmp_path / "BENCHMARKS.md"
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}", ZHFLOW_HOME=str(tmp_path / "home"))

@@ -1,4 +1,4 @@
-"""Parallel writers: 8 OS processes log metrics at once, for a minute, through ``training.metric_logger`` (as the
+"""Parallel writers: 8 OS processes log metrics at once, for half a minute, through ``training.metric_logger`` (as the
 training worker does: ``MetricLogger(run_id)`` with MLFLOW_TRACKING_URI set, ``add`` per step, ``flush`` per epoch)
 to the embedded SQLite store zhflow uses by default, and 8 more at the same time to an ``mlflow server`` on a fresh
 PostgreSQL database, started as ``zhflow server`` starts it. Afterwards every (run, key, step) must be in the store
@@ -27,7 +27,7 @@ import pytest
 
 from tests.test_server_mode import _free_port, _marked, _wait_http, pg_urls, processes  # noqa: F401 (pg_urls: fixture)
 
-DURATION_S = 60  # how long the writers log, all at once
+DURATION_S = 30  # how long the writers log, all at once
 WRITERS = 8  # per store
 SHARED = 2  # of which the last SHARED share one run
 KEYS = [f"m{k}" for k in range(5)]
