@@ -19,7 +19,7 @@ from pathlib import Path
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 from bench import common, datasets, defaults, distill, orchestration, preprocess, pretrain, pretrained, pruning, quality, sweeps, tracking, training
-from bench.common import machine, verdict
+from bench.common import cpu_name, machine, verdict
 
 SECTIONS = {"preprocess": preprocess.run, "training": training.run, "datasets": datasets.run, "quality": quality.run, "pruning": pruning.run,
             "distill": distill.run, "distill_pretrained": distill.run_pretrained, "pretrained": pretrained.run, "pretrained_quality": pretrained.run_quality,
@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         body = SECTIONS[name](args.quick, args.repeats).rstrip() + "\n"
         stamp = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
         flags = " --smoke" if args.smoke else " --quick" if args.quick else ""
-        parts[name] = body + f"\n_Measured by `python -m bench{flags} --only {name}` (or a full run) on {stamp}, " \
-                             f"in {time.perf_counter() - t0:.0f} s._\n"
+        parts[name] = body + f"\n_Measured by `python -m bench{flags} --only {name}` (or a full run) on {stamp} " \
+                             f"({cpu_name()}, {os.cpu_count()} cores), in {time.perf_counter() - t0:.0f} s._\n"
         print(f"bench: {name} done in {time.perf_counter() - t0:.0f}s", flush=True)
     sections = _existing_sections(args.out) if args.only else {}
     sections.update(parts)
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"`{command}` (`make bench`; `--quick` for a short run, `--only SECTION` to re-measure one section in place).",
         "",
-        f"Machine: {machine()}.",
+        _machine_line(args.out if args.only else None),
         "",
         "Each alternative is measured in the same invocation, interleaved, so the ratios hold on a noisy machine.",
         "",
@@ -91,6 +91,18 @@ def _total(sections: list[str], wall: float | None, quick: bool) -> str:
     else:
         what, seconds = f"This run took {wall / 60:.0f} min ({wall:.0f} s)", wall
     return f"{what}; target under {target} on 2 cores: {verdict(seconds < limit)}."
+
+
+def _machine_line(kept_from: Path | None) -> str:
+    """This machine; after --only, the earlier report's line where it already names this CPU (its sections may have
+    been measured on others, which it says), else this machine with the earlier line kept beside it."""
+    line = f"Machine: {machine()}."
+    if kept_from is None or not kept_from.is_file():
+        return line
+    earlier = next((l for l in kept_from.read_text(encoding="utf-8").splitlines() if l.startswith("Machine: ")), None)
+    if earlier is None or earlier == line or cpu_name() in earlier:
+        return earlier or line
+    return f"{line[:-1]} (the sections measured before: {earlier[len('Machine: '):].rstrip('.')}; each section's last line says when)."
 
 
 def _existing_sections(path: Path) -> dict[str, str]:

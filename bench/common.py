@@ -60,14 +60,18 @@ def verdict(ok: bool) -> str:
     return "**met**" if ok else "**missed**"
 
 
-def machine() -> str:
+def cpu_name() -> str:
     cpu = platform.processor() or platform.machine()
     try:
         for line in open("/proc/cpuinfo", encoding="utf-8"):
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return cpu
+
+
+def machine() -> str:
+    cpu = cpu_name()
     versions = ", ".join(f"{n} {metadata.version(n)}" for n in ("torch", "prefect", "mlflow", "jieba", "rjieba", "scikit-learn"))
     return f"{cpu}; {os.cpu_count()} cores; Python {platform.python_version()}; {versions}"

@@ -53,3 +53,17 @@ def test_quality_section_gives_the_sweep_target_a_verdict(f1, word):
     line = _gap("model with the best sweep settings", f1, 0.8671, 0.8671, target=True)
     assert line.endswith(f"({f1:.4f} against 0.8671): {word}.")
     assert "Target" not in _gap("default preset's model", f1, 0.8671, 0.8671, target=False)
+
+
+def test_a_section_re_measured_on_another_machine_keeps_the_earlier_machine_line(tmp_path, monkeypatch):
+    import bench.__main__ as main
+
+    report = tmp_path / "BENCHMARKS.md"
+    report.write_text("# Benchmarks\n\nMachine: Some Other CPU; 2 cores; Python 3.11.\n\n## A\n", encoding="utf-8")
+    monkeypatch.setattr(main, "cpu_name", lambda: "This CPU")
+    monkeypatch.setattr(main, "machine", lambda: "This CPU; 2 cores; Python 3.11")
+    line = main._machine_line(report)
+    assert line.startswith("Machine: This CPU; 2 cores") and "Some Other CPU; 2 cores" in line
+    report.write_text("Machine: This CPU (the pruning section) and Some Other CPU (the rest); 2 cores.\n", encoding="utf-8")
+    assert main._machine_line(report) == "Machine: This CPU (the pruning section) and Some Other CPU (the rest); 2 cores."
+    assert main._machine_line(None) == "Machine: This CPU; 2 cores; Python 3.11."
