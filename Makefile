@@ -27,7 +27,7 @@ test-fast: $(STAMP)  ## unit tests only
 bench: $(STAMP)      ## benchmarks -> BENCHMARKS.md (ARGS=--quick for a short run)
 	$(BIN)/python -m bench $(ARGS)
 
-bench-smoke: $(STAMP)  ## every benchmark section on the smallest inputs, into a temporary report (about 10 minutes)
+bench-smoke: $(STAMP)  ## every benchmark section on the smallest inputs, into a temporary report (about 20 minutes on 2 cores)
 	$(BIN)/python -m pytest -m bench --durations=0 tests/test_bench.py $(ARGS)
 
 clean:
