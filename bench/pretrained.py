@@ -31,7 +31,7 @@ from training.models import family
 from training.presets import preset
 
 EPOCHS = 2
-QUALITY_BUDGET_MIN = 40  # the from-scratch encoder's training: about 2 min an epoch on 2 cores with bf16
+QUALITY_BUDGET_MIN = 40  # the from-scratch encoder's training budget, besides early stopping: the section stays bounded
 LAYERS, WIDTH, HEADS = 4, 256, 4
 
 
