@@ -224,3 +224,30 @@ def test_fasttext_tables_train_with_sparse_gradients_clipped_and_resumed_like_de
         optimizer.step()
     for a, b in zip(sparse.parameters(), saved.parameters()):
         assert torch.equal(a, b)
+
+
+def test_row_sparse_adam_steps_as_torchs_sparse_adam():
+    """zhflow's SparseAdam reads and writes the touched rows by index: the same parameters and moments as torch's,
+    step for step (repeated rows in a batch, rows untouched for a while, a learning rate that changes), and the
+    same state layout, so either loads the other's checkpoint."""
+    from training.worker import RowSparseAdam
+
+    tables = [torch.nn.Embedding(40, 6, sparse=True) for _ in range(2)]
+    tables[1].load_state_dict(tables[0].state_dict())
+    start = tables[0].weight.detach().clone()
+    ours, theirs = RowSparseAdam([tables[0].weight], lr=0.05), torch.optim.SparseAdam([tables[1].weight], lr=0.05)
+    g = torch.Generator().manual_seed(3)
+    for step in range(8):
+        ids = torch.randint(0, 10 if step % 2 else 40, (25,), generator=g)  # repeats; rows 10-39 only every other step
+        target = torch.randn(25, 6, generator=g)
+        for table, optimizer in zip(tables, (ours, theirs)):
+            optimizer.param_groups[0]["lr"] = 0.05 / (1 + step)
+            optimizer.zero_grad()
+            ((table(ids) - target) ** 2).sum().backward()
+            optimizer.step()
+        assert torch.allclose(tables[0].weight, tables[1].weight, rtol=1e-6, atol=1e-7), step
+    assert (tables[0].weight - start).abs().max() > 0.05  # they moved, together
+    a, b = ours.state_dict(), theirs.state_dict()
+    assert a["state"][0].keys() == b["state"][0].keys() and a["state"][0]["step"] == b["state"][0]["step"] == 8
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.allclose(a["state"][0][key], b["state"][0][key], rtol=1e-6, atol=1e-9)
