@@ -103,7 +103,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _data_options(run)
     run.add_argument("--model", help=f"model family: {', '.join(MODEL_FAMILIES)} (with that family's preset defaults)")
-    run.add_argument("--nproc", type=int, help="DDP processes (default: GPUs, or CPU cores)")
+    run.add_argument("--nproc", type=int, help="DDP processes (default: GPUs, or CPU cores; fastText: 1 on CPU)")
     run.add_argument("--experiment", default="zhflow", help="MLflow experiment (default: zhflow)")
     run.add_argument("--json-out", type=Path, help="write the run summary as JSON here")
     _distill_options(run)
@@ -121,7 +121,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                       help="models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/model or baseline; several: averaged")
     dist.add_argument("--student", help=f"the student's family: {', '.join(MODEL_FAMILIES)} (default textcnn)")
     dist.add_argument("--unlabelled", metavar="FILE", help="unlabelled texts for the transfer set, one per line, labelled by the teacher")
-    dist.add_argument("--nproc", type=int, help="DDP processes (default: GPUs, or CPU cores)")
+    dist.add_argument("--nproc", type=int, help="DDP processes (default: GPUs, or CPU cores; fastText: 1 on CPU)")
     dist.add_argument("--experiment", default="zhflow", help="MLflow experiment (default: zhflow)")
     dist.add_argument("--json-out", type=Path, help="write the run summary as JSON here")
     prep = sub.add_parser(

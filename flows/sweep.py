@@ -82,9 +82,9 @@ def sweep(
     cores = os.cpu_count() or 1
     cpus = max(1, cores // parallel)
     limit = f"zhflow-sweep-{study_name}"[:100]
-    per_trial = share_gpus(limit, parallel) or cpus  # a GPU machine: each trial its own GPU(s); else its cores
-    if config.train.nproc is None:  # one process per GPU or core of the trial's share
-        config = config.model_copy(update={"train": config.train.model_copy(update={"nproc": per_trial})})
+    gpus_each = share_gpus(limit, parallel)  # a GPU machine: each trial its own GPU(s)
+    if config.train.nproc is None and gpus_each:  # one process per GPU; on CPU, per core of the trial's share
+        config = config.model_copy(update={"train": config.train.model_copy(update={"nproc": gpus_each})})
     parent = open_pipeline_run(config, experiment, kind="sweep")
     opened = open_study(study_name, storage, sampler, pruner, space, seed)
     if redo := recover_interrupted(opened):

@@ -34,6 +34,8 @@ from training.config import TrainConfig
 from training.distributed import TORCHRUN_ENV
 from training.events import EVENTS_FILE, EventReader
 from training.job import PretrainJob, WorkerJob
+from training.models import family_of
+from training.models.base import Family
 
 POLL_SECONDS = 0.2  # how often the events file is read while the workers run
 _ERROR_LINE = re.compile(r"^\s*(\w+\.)*\w*(Error|Exception|Interrupt)\b.*")
@@ -49,11 +51,15 @@ def available_devices() -> tuple[str, int]:
     return "cpu", os.cpu_count() or 1
 
 
-def resolve_nproc(requested: int | None) -> int:
-    """Default: one process per GPU, or per CPU core on a CPU machine."""
+def resolve_nproc(requested: int | None, cores: int | None = None, family: Family | None = None) -> int:
+    """Default: one process per GPU; on a CPU machine one per core of the job's share (``cores``, all by default),
+    or one with every core's threads for a family whose steps are too short for DDP to pay
+    (``Family.one_process_on_cpu``: fastText)."""
     kind, count = available_devices()
     if requested is None:
-        return count
+        if kind == "cuda":
+            return count
+        return 1 if family is not None and family.one_process_on_cpu else max(1, min(cores or count, count))
     if kind == "cuda" and requested > count:
         raise ValueError(f"train.nproc={requested} but this machine has {count} GPU(s)")
     if kind == "cpu" and requested > count:  # more processes than cores only slows every one of them down
@@ -129,7 +135,11 @@ def launch_training(job: WorkerJob | PretrainJob, on_epoch: Callable[[int, dict]
     PretrainJob).
     """
     logger = get_run_logger()
-    nproc = resolve_nproc(job.train.nproc)
+    family = family_of(job.model) if isinstance(job, WorkerJob) else None
+    nproc = resolve_nproc(job.train.nproc, cpus, family)
+    if job.train.nproc is None and family is not None and family.one_process_on_cpu and available_devices()[0] == "cpu":
+        logger.info("%s trains in one process with every core's threads on a CPU machine: its steps are too short for "
+                    "DDP's all-reduce to pay (train.nproc sets more processes)", family.name)
     out_dir = Path(job.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     job_file = out_dir / "job.json"
@@ -137,8 +147,7 @@ def launch_training(job: WorkerJob | PretrainJob, on_epoch: Callable[[int, dict]
     error_file, events_file = out_dir / "error.json", out_dir / EVENTS_FILE
     error_file.unlink(missing_ok=True)
     events_file.unlink(missing_ok=True)  # a retry of the task starts a new stream (the worker resumes from last.pt)
-    # torchrun's own "auto" (a process per GPU, else per CPU core) when the count is left to it
-    cmd = torchrun_command(job_file, "auto" if job.train.nproc is None else nproc, job.train,
+    cmd = torchrun_command(job_file, nproc, job.train,
                            rdzv_id=job.mlflow_run_id or out_dir.name, module=module)
     env = dict(os.environ, PYTHONUNBUFFERED="1", MLFLOW_TRACKING_URI=mlflow.get_tracking_uri(),
                TORCHELASTIC_ERROR_FILE=str(error_file), **TORCHRUN_ENV, **{OWNER_ENV: owner()})  # found again if this process is killed

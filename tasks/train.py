@@ -10,6 +10,7 @@ from prefect import task
 
 from training.config import PipelineConfig, TrainConfig, flatten
 from training.job import WorkerJob
+from training.models import family_of
 from tasks.launch import launch_training, resolve_nproc
 from tasks.tracking import stage_run
 
@@ -22,7 +23,7 @@ def launch_worker(stage: str, config: PipelineConfig, prepared: dict, run_id: st
     """
     train_cfg = job_fields.pop("train", config.train)
     model_cfg = job_fields.pop("model", config.model)
-    nproc = resolve_nproc(train_cfg.nproc)
+    nproc = resolve_nproc(train_cfg.nproc, cpus, family_of(model_cfg))
     deadline = time.time() + train_cfg.timeout_minutes * 60 if train_cfg.timeout_minutes else None
     job = WorkerJob(stage=stage, prepared_dir=prepared["path"], out_dir=str(out_dir), model=model_cfg, train=train_cfg,
                     max_len=config.preprocess.max_len, mlflow_run_id=run_id, deadline=deadline, **job_fields)

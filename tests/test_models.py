@@ -226,6 +226,20 @@ def test_fasttext_tables_train_with_sparse_gradients_clipped_and_resumed_like_de
         assert torch.equal(a, b)
 
 
+def test_on_a_cpu_machine_fasttext_trains_in_one_process_unless_told_otherwise():
+    import os
+
+    from tasks.launch import resolve_nproc
+    from training.models import family_of
+
+    cores = os.cpu_count()
+    fasttext, textcnn = family_of(ModelConfig(name="fasttext")), family_of(ModelConfig(name="textcnn"))
+    assert resolve_nproc(None, family=fasttext) == 1
+    assert resolve_nproc(None, family=textcnn) == cores  # a process per core
+    assert resolve_nproc(None, cores=1, family=textcnn) == 1  # a parallel sweep trial's share of the cores
+    assert resolve_nproc(cores, family=fasttext) == cores  # train.nproc given: as given
+
+
 def test_row_sparse_adam_steps_as_torchs_sparse_adam():
     """zhflow's SparseAdam reads and writes the touched rows by index: the same parameters and moments as torch's,
     step for step (repeated rows in a batch, rows untouched for a while, a learning rate that changes), and the

@@ -228,7 +228,8 @@ class TrainConfig(_Section):
     )
     nproc: Optional[int] = Field(
         None, ge=1, le=1024, title="Processes",
-        description="DDP processes. Empty: the number of GPUs, or of CPU cores on a CPU machine.",
+        description="DDP processes. Empty: the number of GPUs, or of CPU cores on a CPU machine (fastText: one "
+                    "process with every core's threads there; its steps are too short for DDP to pay).",
     )
     max_restarts: int = Field(2, ge=0, le=100, title="Max restarts", description="torchrun restarts of the worker group after a failure.")
     nnodes: int = Field(1, ge=1, le=1024, title="Nodes", description="Machines in the training job (each runs nproc processes).")

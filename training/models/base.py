@@ -31,6 +31,9 @@ class Family(ABC):
     sweep_space: ClassVar[dict | None] = None  # a sweep's built-in space from this family (None: training.sweep's)
     segments_words: ClassVar[bool] = True  # the served model segments with jieba (False: its own tokenizer only)
     serves_bf16: ClassVar[bool] = False  # the served model may run in bf16 (training.inference.serving_precision)
+    # on a CPU machine, train in one process with every core's threads unless train.nproc says otherwise: a step is
+    # too short for a second process to pay for the all-reduce (tasks.launch.resolve_nproc)
+    one_process_on_cpu: ClassVar[bool] = False
 
     @abstractmethod
     def inputs(self, cfg: ModelConfig) -> tuple[str, ...]:

@@ -63,6 +63,9 @@ class FastTextEncoder(nn.Module):
 
 class FastText(ScratchFamily):
     name = "fasttext"
+    # a step of 32 texts lasts about 10 ms on one thread; the all-reduce of its touched rows on gloo about as long:
+    # 2 processes of 1 thread trained 0.54-0.92x as fast as 1 process of 2 (BENCHMARKS.md, training throughput)
+    one_process_on_cpu = True
     encoder = FastTextEncoder
     sweep_space = {  # its own sizes; a sweep from the default preset searches fastText, not the other families
         "model.input": {"choices": ["word", "char", "both"]},
