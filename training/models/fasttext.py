@@ -10,7 +10,7 @@ times the error): an n-gram or token no training text had keeps a zero vector in
 small dataset (300 texts of 60 classes, most test n-grams unseen) was 8 points of test macro-F1 in one
 run each (0.525 with the layers' random start, 0.604).
 It reads n-grams the way TF-IDF + linear models do, which is why it holds up on datasets where the convolutional and
-recurrent families need more data. Both tables have sparse gradients: a step (and DDP's all-reduce, on gloo) costs
+recurrent families need more data. Both tables have sparse gradients: a step (and the exchange between processes, on gloo) costs
 the rows the batch touched, not ``model.buckets`` x ``model.embed_dim``; on CUDA (nccl has no sparse all-reduce), under
 pruning masks and under torch.compile the worker makes them dense.
 """
@@ -63,8 +63,8 @@ class FastTextEncoder(nn.Module):
 
 class FastText(ScratchFamily):
     name = "fasttext"
-    # a step of 32 texts lasts about 10 ms on one thread; the all-reduce of its touched rows on gloo about as long:
-    # 2 processes of 1 thread trained 0.54-0.92x as fast as 1 process of 2 (BENCHMARKS.md, training throughput)
+    # a step of 32 texts lasts about 10 ms on one thread; the exchange of its touched rows on gloo about as long:
+    # 2 processes of 1 thread trained 0.70x as fast as 1 process of 2 (BENCHMARKS.md, training throughput)
     one_process_on_cpu = True
     encoder = FastTextEncoder
     sweep_space = {  # its own sizes; a sweep from the default preset searches fastText, not the other families
