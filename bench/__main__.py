@@ -25,7 +25,7 @@ SECTIONS = {"preprocess": preprocess.run, "training": training.run, "datasets": 
             "distill": distill.run, "distill_pretrained": distill.run_pretrained, "pretrained": pretrained.run, "pretrained_quality": pretrained.run_quality,
             "pretraining": pretrain.run, "pretraining_gain": pretrain.run_gain, "orchestration": orchestration.run, "tracking": tracking.run, "sweeps": sweeps.run,
             "defaults": defaults.run}  # in this order
-ON_REQUEST = {"defaults", "distill_pretrained"}  # too long for a plain run (90 and 60 min): --only NAME
+ON_REQUEST = {"defaults", "distill_pretrained"}  # too long for a plain run (about 90 and 80 min): --only NAME
 
 
 def main(argv: list[str] | None = None) -> int:
