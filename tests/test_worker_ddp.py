@@ -195,26 +195,32 @@ def test_a_distilled_student_trains_on_the_teachers_probabilities_and_resumes_af
     assert failed.returncode != 0 and "the train split has" in failed.stdout + failed.stderr
 
 
-def _average_sparse(rank: int, world: int, store: str, out: str) -> None:
-    """One rank: sparse gradients of its own (repeated rows, a table this rank did not touch), averaged."""
+def _average_tables(rank: int, world: int, store: str, out: str) -> None:
+    """One rank: table gradients of its own, sparse and dense (repeated rows, a padding row, a table this rank did not
+    touch, a table no rank touched), averaged."""
     import torch
     import torch.distributed as dist
 
-    from training.distributed import average_sparse_gradients
+    from training.distributed import average_table_gradients
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         tables = [torch.nn.Embedding(50, 4, sparse=True), torch.nn.Embedding(7, 3, sparse=True),
-                  torch.nn.Embedding(9, 2, sparse=True)]
+                  torch.nn.Embedding(9, 2, sparse=True), torch.nn.Embedding(40, 3, padding_idx=0),
+                  torch.nn.Embedding(6, 2)]
         g = torch.Generator().manual_seed(rank)
         ids = torch.randint(0, 50, (30,), generator=g)  # repeats: an uncoalesced gradient
         loss = (tables[0](ids) * torch.randn(30, 4, generator=g)).sum()
+        words = torch.cat([torch.zeros(5, dtype=torch.long), torch.randint(0, 40, (20,), generator=g)])  # 0: padding
+        loss = loss + (tables[3](words) * torch.randn(25, 3, generator=g)).sum()
         if rank == 0:  # table 1: rank 0 only; table 2: no rank
             loss = loss + tables[1](torch.tensor([2, 2, 5])).sum() * 3
+        else:  # table 4 (dense): rank 1 only, so rank 0 holds no gradient for it
+            loss = loss + tables[4](torch.tensor([1, 4, 4])).sum() * 2
         loss.backward()
-        before = [t.weight.grad.to_dense() if t.weight.grad is not None else torch.zeros_like(t.weight) for t in tables]
-        average_sparse_gradients([t.weight for t in tables], world)
+        before = [t.weight.grad.to_dense().clone() if t.weight.grad is not None else torch.zeros_like(t.weight) for t in tables]
+        average_table_gradients(tables, world)
         after = [t.weight.grad for t in tables]
         torch.save({"before": before, "after": [a.to_dense() if a is not None else None for a in after],
                     "sparse": [a is None or a.is_sparse for a in after]}, f"{out}.{rank}")
@@ -222,18 +228,21 @@ def _average_sparse(rank: int, world: int, store: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_sparse_gradients_are_averaged_over_the_ranks_in_one_collective(tmp_path):
-    """The worker averages sparse tables (fastText's) itself, not through DDP: every rank ends with the mean of the
-    ranks' gradients, rows one rank never touched included, and a table no rank touched keeps no gradient."""
+def test_table_gradients_are_averaged_over_the_ranks_in_one_collective(tmp_path):
+    """The worker averages embedding tables itself, not through DDP, exchanging the rows each rank touched: every
+    rank ends with the mean of the ranks' gradients (what DDP's all-reduce gives), rows one rank never touched
+    included; sparse tables stay sparse and a sparse table no rank touched keeps no gradient; dense tables stay
+    dense, also on a rank that did not touch the table."""
     import torch
     import torch.multiprocessing as mp
 
-    mp.spawn(_average_sparse, args=(2, str(tmp_path / "store"), str(tmp_path / "grads")), nprocs=2, join=True)
+    mp.spawn(_average_tables, args=(2, str(tmp_path / "store"), str(tmp_path / "grads")), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"grads.{r}", weights_only=True) for r in range(2)]
-    for k in range(2):
+    for k in (0, 1, 3, 4):
         mean = (ranks[0]["before"][k] + ranks[1]["before"][k]) / 2
         assert mean.abs().sum() > 0
         for r in range(2):
-            assert ranks[r]["sparse"][k] and torch.allclose(ranks[r]["after"][k], mean, atol=1e-6)
+            assert ranks[r]["sparse"][k] == (k < 3) and torch.allclose(ranks[r]["after"][k], mean, atol=1e-6)
         assert torch.equal(ranks[0]["after"][k], ranks[1]["after"][k])  # the same sum on every rank: tables stay equal
     assert ranks[0]["after"][2] is None and ranks[1]["after"][2] is None
+    assert not ranks[0]["after"][3][0].any()  # the padding row: zero on both ranks, and zero after

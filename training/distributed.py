@@ -104,24 +104,31 @@ def broadcast_flag(flag: bool, info: DistInfo) -> bool:
     return bool(t.item())
 
 
-def average_sparse_gradients(params: list[torch.Tensor], world_size: int) -> None:
-    """Average the sparse gradients of ``params`` (embedding tables with ``sparse=True``) over the ranks, in place,
-    with one all-gather for all of them.
+def average_table_gradients(tables: list[torch.nn.Embedding], world_size: int) -> None:
+    """Average the gradients of embedding tables over the ranks, in place, exchanging only the rows a rank touched,
+    in one all-gather for all of them. A table's gradient may be sparse (``sparse=True``: fastText's tables) or
+    dense (the other families' vocabulary tables, whose untouched rows are zero); it stays what it was.
 
-    DDP all-reduces each sparse parameter on its own, and gloo's sparse all-reduce of one table costs several
-    collectives (sizes, indices, values): with a fastText model's four tables that was most of a step. Here each rank
-    coalesces its rows and sends them together: the row counts first (one small all-gather), then every table's row
-    ids (int32, their bits carried as float32) and values in one flat tensor, padded to the longest rank's. Every rank
-    sums the same gathered rows in the same order, so the tables stay identical across ranks."""
+    DDP all-reduces every row of a dense table, although a batch touches a few hundred of its thousands of words; and
+    it all-reduces each sparse table on its own, which gloo does in several collectives per table (sizes, indices,
+    values). Here each rank sends the rows it touched: the row counts first (one small all-gather), then every table's
+    row ids (int32, their bits carried as float32) and values in one flat tensor, padded to the longest rank's. Every
+    rank sums the same gathered rows in the same order, so the tables stay identical across ranks; a row no rank
+    touched stays zero, as it would after an all-reduce."""
+    params = [t.weight for t in tables]
     idx, vals = [], []
     for p in params:
         if p.grad is None:
             idx.append(torch.empty(0, dtype=torch.int32))
             vals.append(p.new_empty((0, *p.shape[1:]), dtype=torch.float32))
-        else:
+        elif p.grad.is_sparse:
             g = p.grad.coalesce()
             idx.append(g.indices()[0].to(torch.int32))
             vals.append(g.values().float())
+        else:
+            rows = p.grad.reshape(len(p.grad), -1).abs().amax(dim=1).ne(0).nonzero().squeeze(1)  # NaN rows too
+            idx.append(rows.to(torch.int32))
+            vals.append(p.grad.index_select(0, rows).float())
     counts = torch.tensor([len(i) for i in idx], dtype=torch.int64)
     all_counts = [torch.empty_like(counts) for _ in range(world_size)]
     dist.all_gather(all_counts, counts)
@@ -142,10 +149,14 @@ def average_sparse_gradients(params: list[torch.Tensor], world_size: int) -> Non
         for k, n in enumerate(c):
             values[k].append(flat[at:at + n * widths[k]].view(n, *params[k].shape[1:]))
             at += n * widths[k]
-    for k, p in enumerate(params):
+    for k, (table, p) in enumerate(zip(tables, params)):
         ids = torch.cat(rows[k]).long()
-        if not len(ids):
-            p.grad = None
+        if not len(ids):  # no rank touched it
+            p.grad = None if table.sparse or p.grad is None else p.grad.zero_()
             continue
         total = torch.cat(values[k]).div_(world_size).to(p.dtype)
-        p.grad = torch.sparse_coo_tensor(ids.unsqueeze(0), total, p.shape).coalesce()
+        if not table.sparse:
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            p.grad = grad.zero_().index_add_(0, ids, total)
+        else:
+            p.grad = torch.sparse_coo_tensor(ids.unsqueeze(0), total, p.shape).coalesce()

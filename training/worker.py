@@ -111,6 +111,17 @@ def sparse_tables(model: torch.nn.Module) -> list[torch.nn.Embedding]:
     return [m for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.sparse]
 
 
+def row_exchange_tables(model: torch.nn.Module) -> list[torch.nn.Embedding]:
+    """The embedding tables whose gradients the worker averages itself under DDP on gloo, exchanging only the rows a
+    rank touched (``distributed.average_table_gradients``): every trainable table whose weight no other module
+    shares (a tied decoder's gradient touches every row)."""
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    return [m for m in model.modules() if isinstance(m, torch.nn.Embedding)
+            and isinstance(m.weight, torch.nn.Parameter) and m.weight.requires_grad and uses.get(id(m.weight)) == 1]
+
+
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """AdamW groups: weight decay on weight matrices and embeddings, none on biases and LayerNorm weights (vectors);
     tables with sparse gradients are left to SparseAdam (``make_optimizer``)."""
@@ -261,11 +272,12 @@ class Trainer(RankZeroOutput):
             for module, name in prunable_weights(model, include_embedding=True):
                 torch_prune.custom_from_mask(module, name, getattr(module, name) != 0)
         self.raw_model = model.to(info.device)
-        # tables with sparse gradients (gloo): averaged by distributed.average_sparse_gradients in one collective,
-        # not by DDP's per-table sparse all-reduce
-        self.sparse_params = [m.weight for m in sparse_tables(model) if m.weight.requires_grad] if info.ddp else []
-        if self.sparse_params:
-            ignore = {id(p) for p in self.sparse_params}
+        # embedding tables on gloo: averaged by distributed.average_table_gradients, the rows each rank touched in one
+        # all-gather, not by DDP's all-reduce of every row (dense tables) or of each table on its own (sparse ones)
+        gloo_tables = info.ddp and info.device.type == "cpu" and not job.keep_sparsity and not job.train.compile
+        self.tables = row_exchange_tables(model) if gloo_tables else []
+        if self.tables:
+            ignore = {id(m.weight) for m in self.tables}
             DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, p in model.named_parameters() if id(p) in ignore])
         self.model = DDP(self.raw_model, device_ids=[info.local_rank] if info.device.type == "cuda" else None) if info.ddp else self.raw_model
         if job.train.compile:  # the training forward only; validation and checkpoints use the plain module
@@ -396,8 +408,8 @@ class Trainer(RankZeroOutput):
             window = loss.detach() if window is None else window + loss.detach()
             in_window += 1
             if last_micro:
-                if self.sparse_params:
-                    distributed.average_sparse_gradients(self.sparse_params, self.info.world_size)
+                if self.tables:
+                    distributed.average_table_gradients(self.tables, self.info.world_size)
                 self.scaler.unscale_(self.optimizer)  # clipping sees the true gradients (a no-op without fp16)
                 if t.grad_clip > 0:
                     clip_gradients(self.model.parameters(), t.grad_clip)
