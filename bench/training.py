@@ -101,7 +101,7 @@ def run(quick: bool, repeats: int) -> str:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         cfg = preset("default")
-        rows, findings, sizes, padding = [], [], {}, {}
+        rows, findings, sizes, padding, step_ms = [], [], {}, {}, {}
         for family in families:
             samples = quick_size(1000, 400) if quick else SAMPLES.get(family, 2000)
             prepared = tmp / f"prepared-{samples}"
@@ -117,6 +117,7 @@ def run(quick: bool, repeats: int) -> str:
                 rates["worker, 2 processes (DDP)"].append(_worker_rate(prepared, family, 2, tmp))
                 rates["worker, 1 process, 1 thread"].append(_worker_rate(prepared, family, 1, tmp, threads=1))
             med = {k: Timing(v).median for k, v in rates.items()}
+            step_ms[family] = 1000 * cfg.train.batch_size / med["worker, 1 process, 1 thread"]
             for name, values in rates.items():
                 t = Timing(values)
                 rows.append(f"| {family} | {name} | {t.median:,.0f} (±{100 * t.spread:.0f}%) |")
@@ -155,7 +156,8 @@ def run(quick: bool, repeats: int) -> str:
         "every rank runs the whole optimiser step; and gloo's collectives between two processes take milliseconds "
         "each here, whatever their size.",
         "",
-        "fastText's step of 32 texts lasts about 10 ms on one thread, and its exchange costs about as much: a second "
+        f"fastText's step of {cfg.train.batch_size} texts lasts about {step_ms.get('fasttext', 10):.0f} ms on one thread, "
+        "and its exchange costs about as much: a second "
         "process cannot pay for it. On a CPU machine zhflow therefore trains fastText in one process with every "
         "core's threads unless `train.nproc` says otherwise: the `worker, 1 process` row is what a default run gets.",
         "",
