@@ -156,7 +156,7 @@ def run(quick: bool, repeats: int) -> str:
         "every rank runs the whole optimiser step; and gloo's collectives between two processes take milliseconds "
         "each here, whatever their size.",
         "",
-        f"fastText's step of {cfg.train.batch_size} texts lasts about {step_ms.get('fasttext', 10):.0f} ms on one thread, "
+        f"fastText's step of {cfg.train.batch_size} texts lasts about {step_ms['fasttext']:.0f} ms on one thread, "
         "and its exchange costs about as much: a second "
         "process cannot pay for it. On a CPU machine zhflow therefore trains fastText in one process with every "
         "core's threads unless `train.nproc` says otherwise: the `worker, 1 process` row is what a default run gets.",

@@ -109,7 +109,8 @@ def average_table_gradients(tables: list[torch.nn.Embedding], world_size: int) -
     in one all-gather for all of them. A table's gradient may be sparse (``sparse=True``: fastText's tables) or
     dense (the other families' vocabulary tables, whose untouched rows are zero); it stays what it was.
 
-    DDP all-reduces every row of a dense table, although a batch touches a few hundred of its thousands of words; and
+    DDP all-reduces every row of a dense table, although a batch touches a fraction of them (32 texts: about 1,100 of
+    the default textcnn's 6,133 rows on 1,500 training texts); and
     it all-reduces each sparse table on its own, which gloo does in several collectives per table (sizes, indices,
     values). Here each rank sends the rows it touched: the row counts first (one small all-gather), then every table's
     row ids (int32, their bits carried as float32) and values in one flat tensor, padded to the longest rank's. Every
@@ -156,7 +157,6 @@ def average_table_gradients(tables: list[torch.nn.Embedding], world_size: int) -
             continue
         total = torch.cat(values[k]).div_(world_size).to(p.dtype)
         if not table.sparse:
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            p.grad = grad.zero_().index_add_(0, ids, total)
+            p.grad = (torch.zeros_like(p) if p.grad is None else p.grad.zero_()).index_add_(0, ids, total)
         else:
             p.grad = torch.sparse_coo_tensor(ids.unsqueeze(0), total, p.shape).coalesce()
