@@ -89,7 +89,8 @@ def _trainer(prepared: Path, cfg, source: Path, threads: int, precision: str, tm
     model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=2)
     args = TrainingArguments(output_dir=str(tmp / "trainer"), per_device_train_batch_size=cfg.train.batch_size,
                              num_train_epochs=EPOCHS, learning_rate=cfg.train.lr, save_strategy="no", logging_strategy="no",
-                             report_to=[], use_cpu=True, bf16=precision == "bf16", disable_tqdm=True, dataloader_num_workers=0)
+                             report_to=[], use_cpu=True, bf16=precision == "bf16", disable_tqdm=True, dataloader_num_workers=0,
+                             group_by_length=cfg.train.group_by_length)  # batches of similar lengths, as the worker's
     trainer = Trainer(model=model, args=args, train_dataset=Rows(),
                       data_collator=DataCollatorWithPadding(AutoTokenizer.from_pretrained(source)))
     return float(trainer.train().metrics["train_samples_per_second"])
@@ -265,6 +266,8 @@ def run(quick: bool, repeats: int) -> str:
     ddp = med["worker, 2 processes (DDP), 1 thread each"] / med["worker, 1 process, 1 thread"]
     compiled = med["worker, fp32, torch.compile"] / med["worker, fp32"]
     n_train = manifest["splits"]["train"]["n"]
+    amx = (f": training {verdict(bf16_train >= 1.5)}, inference {verdict(bf16_infer >= 3.4)}" if "amx_bf16" in cpu_flags()
+           else ", no AMX: no verdict")
     return "\n".join([
         "## Pretrained family",
         "",
@@ -281,7 +284,7 @@ def run(quick: bool, repeats: int) -> str:
         f"- worker / bare transformers loop = {worker_bare:.2f} (target at least 0.95: {verdict(worker_bare >= 0.95)}).",
         f"- worker / Hugging Face Trainer = {worker_trainer:.2f} (target at least 1.0: {verdict(worker_trainer >= 1.0)}).",
         f"- bf16 / fp32: training {bf16_train:.2f}x, inference at batch 64 on 1 thread {bf16_infer:.2f}x "
-        f"(targets on a CPU with AMX: 1.5x and 3.4x; this CPU: {cpu_flags()}); bf16 and fp32 predictions agree on "
+        f"(targets on a CPU with AMX: 1.5x and 3.4x; this CPU: {cpu_flags()}{amx}); bf16 and fp32 predictions agree on "
         f"{100 * agree:.1f}% of the test texts.",
         f"- torch.compile (`train.compile`): {compiled:.2f}x the eager worker on the last epoch (the compilation itself "
         "is paid in the first; batches padded to their longest text give it several shapes).",

@@ -12,12 +12,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from bench.common import Timing, quick_size, verdict
 from training.job import WorkerJob
 from training.worker import make_optimizer
 from training.presets import preset
+from training.data.dataset import LengthGroupedSampler
 from training.data.prepare import load_manifest, prepare_dataset
 from training.evaluate import autocast, open_split
 from training.models import family_of
@@ -56,11 +57,15 @@ def bare_rate(prepared: Path, cfg, threads: int | None = None, precision: str = 
     sizes = family.sizes(manifest, cfg.model, cfg.preprocess.max_len)
     model = family.build(cfg.model, sizes, len(manifest["labels"]))
     data = open_split(prepared, "train", cfg.model, cfg.preprocess.max_len, sizes)
-    loader = DataLoader(data, batch_size=cfg.train.batch_size, shuffle=True, collate_fn=data.collate)
+    # the worker's batches (texts grouped by length unless train.group_by_length is off): the same padding
+    sampler = LengthGroupedSampler(data.lengths(), cfg.train.batch_size) if cfg.train.group_by_length else RandomSampler(data)
+    loader = DataLoader(data, batch_size=cfg.train.batch_size, sampler=sampler, collate_fn=data.collate)
     optimizer = make_optimizer(model, cfg.train.lr, cfg.train.weight_decay)  # AdamW (and SparseAdam for sparse tables)
     model.train()
     rate = 0.0
-    for _ in range(EPOCHS):
+    for epoch in range(EPOCHS):
+        if isinstance(sampler, LengthGroupedSampler):
+            sampler.set_epoch(epoch)
         started, seen = time.perf_counter(), 0
         for inputs, labels in loader:
             with autocast(precision, torch.device("cpu")):
@@ -74,26 +79,37 @@ def bare_rate(prepared: Path, cfg, threads: int | None = None, precision: str = 
     return rate
 
 
-def padding_penalty(prepared: Path, cfg, world: int = 2, draws: int = 2000) -> float:
-    """How much more a DDP step of ``world`` processes pads than one process's step, on this split: texts are padded
-    to their batch's longest and a step waits for the slowest rank, so a step of ``world`` processes costs about the
-    longest of ``world`` batches. The mean over random draws of the padded tokens of the longest of ``world``
-    batches, against those of one batch (the family's inputs, cut at their limits)."""
+def step_padding(prepared: Path, cfg, world: int = 2, epochs: int = 3) -> dict[str, float]:
+    """The padded tokens of a training step on this split, as the worker's samplers draw its batches: texts are padded
+    to their batch's longest, and a step of ``world`` processes waits for the rank with the widest batch. ``ddp``: a
+    step of ``world`` processes against one process's step, batches grouped by length (``train.group_by_length``, the
+    default); ``ddp_random``: the same with batches drawn at random; ``grouped``: one process's step with grouped
+    batches against random ones. Means over ``epochs`` epochs' steps (the family's inputs, cut at their limits)."""
     data = open_split(prepared, "train", cfg.model, cfg.preprocess.max_len)
-    lengths = [np.minimum(np.diff(offsets), data.limits[name]) for name, (_, offsets) in data.arrays.items()]
-    rng, batch = np.random.default_rng(0), cfg.train.batch_size
-    one, many = [], []
-    for _ in range(draws):
-        batches = rng.permutation(len(data))[:world * batch].reshape(world, -1)
-        padded = [sum(int(length[b].max()) for length in lengths) for b in batches]
-        one.append(padded[0])
-        many.append(max(padded))
-    return float(np.mean(many) / np.mean(one))
+    widths = [np.minimum(np.diff(offsets), data.limits[name]) for name, (_, offsets) in data.arrays.items()]
+    batch = cfg.train.batch_size
+
+    def step_tokens(ranks: int, grouped: bool) -> float:
+        tokens = []
+        for epoch in range(epochs):
+            if grouped:
+                samplers = [LengthGroupedSampler(data.lengths(), batch, ranks, rank, seed=epoch) for rank in range(ranks)]
+            else:
+                samplers = [DistributedSampler(range(len(data)), ranks, rank, seed=epoch) for rank in range(ranks)]
+            shares = [np.fromiter(s, dtype=np.int64) for s in samplers]
+            for at in range(0, len(shares[0]), batch):
+                tokens.append(max(len(share[at:at + batch]) * sum(int(w[share[at:at + batch]].max()) for w in widths)
+                                  for share in shares))
+        return float(np.mean(tokens))
+
+    return {"ddp": step_tokens(world, True) / step_tokens(1, True),
+            "ddp_random": step_tokens(world, False) / step_tokens(1, False),
+            "grouped": step_tokens(1, True) / step_tokens(1, False)}
 
 
-def _padding_text(padding: dict[str, float]) -> str:
-    values = {f"{v:.2f}x" for v in padding.values()}
-    return values.pop() if len(values) == 1 else ", ".join(f"{family} {v:.2f}x" for family, v in padding.items())
+def _padding_text(padding: dict[str, dict[str, float]], key: str) -> str:
+    values = {f"{v[key]:.2f}x" for v in padding.values()}
+    return values.pop() if len(values) == 1 else ", ".join(f"{family} {v[key]:.2f}x" for family, v in padding.items())
 
 
 def run(quick: bool, repeats: int) -> str:
@@ -108,7 +124,7 @@ def run(quick: bool, repeats: int) -> str:
             if not prepared.exists():
                 prepare_dataset(cfg.data.model_copy(update={"max_samples": samples}), cfg.preprocess, prepared)
             sizes[family] = load_manifest(prepared)["splits"]["train"]["n"]
-            padding[family] = padding_penalty(prepared, preset("default", family))
+            padding[family] = step_padding(prepared, preset("default", family))
             rates: dict[str, list[float]] = {"bare loop, 1 process": [], "worker, 1 process": [],
                                              "worker, 2 processes (DDP)": [], "worker, 1 process, 1 thread": []}
             for _ in range(repeats):  # interleaved: A B C D A B C D
@@ -149,12 +165,15 @@ def run(quick: bool, repeats: int) -> str:
         "Under DDP on gloo the worker averages every family's embedding tables itself, most of the from-scratch "
         "models' parameters: each rank sends the rows its batches touched, every table's in one all-gather "
         "(`distributed.average_table_gradients`), where DDP would all-reduce every row of a dense table and each "
-        "sparse table on its own; the other parameters go through DDP's buckets. What still keeps 2 single-thread "
-        "processes under 2x: a step waits for the rank with the longest batch, and texts are padded to their batch's "
-        "longest, so a step of 2 processes pads like the longer of two batches (on these splits "
-        + _padding_text(padding) + " the padded tokens of one batch); "
-        "every rank runs the whole optimiser step; and gloo's collectives between two processes take milliseconds "
-        "each here, whatever their size.",
+        "sparse table on its own; the other parameters go through DDP's buckets. Texts are padded to their batch's "
+        "longest and a step waits for the rank with the widest batch: with batches drawn at random a step of 2 "
+        "processes would pad like the wider of two batches (on these splits " + _padding_text(padding, "ddp_random")
+        + " the padded tokens of one process's step). The worker's sampler groups texts of similar length into each "
+        "step (`train.group_by_length`, on by default), so that the ranks of a step get neighbouring lengths: 2 "
+        "processes' step pads " + _padding_text(padding, "ddp") + " one process's, and any step pads "
+        + _padding_text(padding, "grouped") + " the tokens of a random batch (the rows above all train with grouped "
+        "batches, the bare loop too). What still keeps 2 single-thread processes under 2x: every rank runs the whole "
+        "optimiser step, and gloo's collectives between two processes take milliseconds each here, whatever their size.",
         "",
         f"fastText's step of {cfg.train.batch_size} texts lasts about {step_ms['fasttext']:.0f} ms on one thread, "
         "and its exchange costs about as much: a second "

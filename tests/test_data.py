@@ -140,3 +140,29 @@ def test_jsonl_and_other_columns(tmp_path):
     path.write_text("\n".join(json.dumps({"content": t, "y": l}, ensure_ascii=False) for t, l in sentiment_rows(10)), encoding="utf-8")
     manifest = prepare_dataset(DataConfig(dataset=str(path), text_column="content", label_column="y"), PreprocessConfig(), tmp_path / "o")
     assert manifest["counts"]["kept"] == 20
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_length_grouped_sampler_shares_every_text_and_pads_less(world):
+    from torch.utils.data import DistributedSampler
+
+    from training.data.dataset import LengthGroupedSampler
+
+    lengths = np.random.default_rng(0).integers(1, 200, size=1001)
+    samplers = [LengthGroupedSampler(lengths, 32, world, rank, seed=13) for rank in range(world)]
+    plain = [DistributedSampler(range(len(lengths)), world, rank, seed=13) for rank in range(world)]
+    for s in samplers + plain:
+        s.set_epoch(1)
+    shares = [list(s) for s in samplers]
+    assert {len(share) for share in shares} == {len(samplers[0])} == {len(plain[0])}  # every rank the same number of steps
+    assert set().union(*shares) == set(range(len(lengths)))  # every text, each epoch
+
+    def padded(shares):  # the tokens a step pads to, summed: each step waits for its widest rank
+        return sum(max(len(s[b:b + 32]) * lengths[s[b:b + 32]].max() for s in shares) for b in range(0, len(shares[0]), 32))
+
+    assert padded(shares) < 0.65 * padded([list(s) for s in plain])
+    samplers[0].set_epoch(2)
+    assert list(samplers[0]) != shares[0]  # steps drawn anew each epoch
+    again = LengthGroupedSampler(lengths, 32, world, 0, seed=13)
+    again.set_epoch(1)
+    assert list(again) == shares[0]  # reproducible from the seed and the epoch

@@ -71,6 +71,9 @@ class WithTeacher(Dataset):
     def __len__(self) -> int:
         return len(self.split)
 
+    def lengths(self) -> np.ndarray:
+        return self.split.lengths()
+
     def __getitem__(self, i: int):
         return self.split[i], i
 

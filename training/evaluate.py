@@ -22,8 +22,11 @@ def predict_proba(
     precision: str = "auto",
 ) -> np.ndarray:
     """Class probabilities, one row per text (of ``indices`` when given), in order; the forward pass under
-    ``precision`` (``train.precision``)."""
-    data = dataset if indices is None else Subset(dataset, list(indices))
+    ``precision`` (``train.precision``). Batched longest texts first, so that each batch is padded to about its own
+    texts' length."""
+    rows = np.arange(len(dataset)) if indices is None else np.asarray(indices, dtype=np.int64)
+    order = np.argsort(-dataset.lengths()[rows], kind="stable") if hasattr(dataset, "lengths") else np.arange(len(rows))
+    data = Subset(dataset, rows[order].tolist())
     loader = DataLoader(data, batch_size=batch_size, shuffle=False, collate_fn=dataset.collate)
     was_training = model.training
     model.eval()
@@ -33,7 +36,11 @@ def predict_proba(
             logits = model(to_device(inputs, device))
         out.append(torch.softmax(logits.float(), dim=1).cpu().numpy())
     model.train(was_training)
-    return np.concatenate(out) if out else np.zeros((0, 0), dtype=np.float32)
+    if not out:
+        return np.zeros((0, 0), dtype=np.float32)
+    probs = np.empty_like(merged := np.concatenate(out))
+    probs[order] = merged
+    return probs
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:

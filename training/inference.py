@@ -75,6 +75,10 @@ class TextClassifier(mlflow.pyfunc.PythonModel):
         return [[t if t in stoi else UNK for t in self.segmenter.tokenize(c)] for c in clean]
 
     def predict_proba(self, texts: list[str], batch_size: int = 256) -> np.ndarray:
+        """One row of class probabilities per text, in order; batched longest texts first, so that each batch is
+        padded to about its own texts' length."""
+        order = np.argsort([-len(t) for t in texts], kind="stable")
+        texts = [texts[i] for i in order]
         out = []
         for start in range(0, len(texts), batch_size):
             clean = [self.normalize(t) for t in texts[start : start + batch_size]]
@@ -91,7 +95,11 @@ class TextClassifier(mlflow.pyfunc.PythonModel):
             if self.linear is not None:
                 probs = probs + (1.0 - self.weight) * self.linear.predict_proba(clean, words)
             out.append(probs)
-        return np.concatenate(out) if out else np.zeros((0, len(self.labels)))
+        if not out:
+            return np.zeros((0, len(self.labels)))
+        probs = np.empty_like(merged := np.concatenate(out))
+        probs[order] = merged
+        return probs
 
     def predict(self, context, model_input, params=None) -> pd.DataFrame:
         texts = _as_texts(model_input)

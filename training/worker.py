@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from training import distributed
 from training.checkpoint import load_checkpoint, save_checkpoint
-from training.data.dataset import to_device
+from training.data.dataset import LengthGroupedSampler, to_device
 from training.data.prepare import load_manifest
 from training.distill import WithTeacher, kd_loss
 from training.evaluate import autocast, autocast_dtype, open_split, predict_proba
@@ -293,7 +293,10 @@ class Trainer(RankZeroOutput):
             counts = np.bincount(labels[labels >= 0], minlength=self.num_classes).astype(np.float64)  # -1: unlabelled
             weights = counts.sum() / (self.num_classes * np.maximum(counts, 1))
             self.class_weights = torch.tensor(weights, dtype=torch.float32, device=info.device)
-        self.sampler = DistributedSampler(self.train_set, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=job.train.seed)
+        if job.train.group_by_length:
+            self.sampler = LengthGroupedSampler(self.train_set.lengths(), job.train.batch_size, info.world_size, info.rank, job.train.seed)
+        else:
+            self.sampler = DistributedSampler(self.train_set, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=job.train.seed)
         self.loader = DataLoader(
             self.train_set, batch_size=job.train.batch_size, sampler=self.sampler,
             collate_fn=self.train_set.collate, pin_memory=info.device.type == "cuda",
