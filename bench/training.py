@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from bench.common import Timing, quick_size, verdict
 from training.job import WorkerJob
-from training.worker import make_optimizer
+from training.worker import clip_gradients, make_optimizer
 from training.presets import preset
 from training.data.dataset import LengthGroupedSampler
 from training.data.prepare import load_manifest, prepare_dataset
@@ -48,7 +49,7 @@ def _worker_rate(prepared: Path, family: str, nproc: int, tmp: Path, threads: in
 
 
 def bare_rate(prepared: Path, cfg, threads: int | None = None, precision: str = "fp32") -> float:
-    """The same model, batch, precision and threads in the plainest loop: no DDP, no sampler, no logging, no
+    """The same model, batches, precision, clipping and threads in the plainest loop: no DDP, no logging, no
     validation (the last epoch's training samples/s)."""
     torch.set_num_threads(threads or os.cpu_count() or 1)
     torch.manual_seed(0)
@@ -73,6 +74,8 @@ def bare_rate(prepared: Path, cfg, threads: int | None = None, precision: str = 
             loss = F.cross_entropy(logits, labels)
             optimizer.zero_grad()
             loss.backward()
+            if cfg.train.grad_clip > 0:  # the same training: the worker clips (and so does the Trainer)
+                clip_gradients(model.parameters(), cfg.train.grad_clip)
             optimizer.step()
             seen += len(labels)
         rate = seen / (time.perf_counter() - started)
@@ -107,6 +110,20 @@ def step_padding(prepared: Path, cfg, world: int = 2, epochs: int = 3) -> dict[s
             "grouped": step_tokens(1, True) / step_tokens(1, False)}
 
 
+def step_profile(prepared: Path, family: str, nproc: int, tmp: Path) -> dict[str, float]:
+    """Milliseconds a step spends in each part (``bench.step_profile``), 1 thread a process, on rank 0."""
+    out = tmp / f"profile-{family}-{nproc}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                    "-m", "bench.step_profile", str(prepared), family, str(out)],
+                   check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=Path(__file__).parent.parent)
+    return json.loads(out.read_text())["ms"]
+
+
+def _profile_text(one: dict[str, float], two: dict[str, float]) -> str:
+    return ", ".join(f"{part} {one[part]:.1f} and {two[part]:.1f}" for part in one)
+
+
 def _padding_text(padding: dict[str, dict[str, float]], key: str) -> str:
     values = {f"{v[key]:.2f}x" for v in padding.values()}
     return values.pop() if len(values) == 1 else ", ".join(f"{family} {v[key]:.2f}x" for family, v in padding.items())
@@ -117,7 +134,7 @@ def run(quick: bool, repeats: int) -> str:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         cfg = preset("default")
-        rows, findings, sizes, padding, step_ms = [], [], {}, {}, {}
+        rows, findings, sizes, padding, step_ms, profile = [], [], {}, {}, {}, None
         for family in families:
             samples = quick_size(1000, 400) if quick else SAMPLES.get(family, 2000)
             prepared = tmp / f"prepared-{samples}"
@@ -132,6 +149,8 @@ def run(quick: bool, repeats: int) -> str:
                 rates["worker, 1 process"].append(_worker_rate(prepared, family, 1, tmp))
                 rates["worker, 2 processes (DDP)"].append(_worker_rate(prepared, family, 2, tmp))
                 rates["worker, 1 process, 1 thread"].append(_worker_rate(prepared, family, 1, tmp, threads=1))
+            if family == "fasttext":
+                profile = [step_profile(prepared, family, nproc, tmp) for nproc in (1, 2)]
             med = {k: Timing(v).median for k, v in rates.items()}
             step_ms[family] = 1000 * cfg.train.batch_size / med["worker, 1 process, 1 thread"]
             for name, values in rates.items():
@@ -169,15 +188,20 @@ def run(quick: bool, repeats: int) -> str:
         "longest and a step waits for the rank with the widest batch: with batches drawn at random a step of 2 "
         "processes would pad like the wider of two batches (on these splits " + _padding_text(padding, "ddp_random")
         + " the padded tokens of one process's step). The worker's sampler groups texts of similar length into each "
-        "step (`train.group_by_length`, on by default), so that the ranks of a step get neighbouring lengths: 2 "
-        "processes' step pads " + _padding_text(padding, "ddp") + " one process's, and any step pads "
-        + _padding_text(padding, "grouped") + " the tokens of a random batch (the rows above all train with grouped "
-        "batches, the bare loop too). What still keeps 2 single-thread processes under 2x: every rank runs the whole "
+        "step (`train.group_by_length`, on by default for every family but fastText), so that the ranks of a step "
+        "get neighbouring lengths: 2 processes' step then pads " + _padding_text(padding, "ddp") + " one process's, "
+        "and any step pads " + _padding_text(padding, "grouped") + " the tokens of a random batch (the rows above "
+        "train as each family's default does, the bare loop too: fastText's batches at random, the others' grouped). "
+        "What still keeps 2 single-thread processes under 2x: every rank runs the whole "
         "optimiser step, and gloo's collectives between two processes take milliseconds each here, whatever their size.",
         "",
-        f"fastText's step of {cfg.train.batch_size} texts lasts about {step_ms['fasttext']:.0f} ms on one thread, "
-        "and its exchange costs about as much: a second "
-        "process cannot pay for it. On a CPU machine zhflow therefore trains fastText in one process with every "
-        "core's threads unless `train.nproc` says otherwise: the `worker, 1 process` row is what a default run gets.",
+        f"fastText's step of {cfg.train.batch_size} texts lasts about {step_ms['fasttext']:.0f} ms on one thread. "
+        + (f"Where its time goes (`bench.step_profile`, ms a step on 1 thread, 1 process and 2 processes' rank 0): "
+           f"{_profile_text(*profile)}. The optimiser's update of the rows a batch touched is the largest part of "
+           "one process's step; under DDP every rank updates the rows that both ranks' batches touched (about twice "
+           "as many), exchanges them, and waits for DDP's all-reduce of the other parameters inside the backward "
+           "pass: " if profile else "")
+        + "a second process cannot pay for it. On a CPU machine zhflow therefore trains fastText in one process with "
+        "every core's threads unless `train.nproc` says otherwise: the `worker, 1 process` row is what a default run gets.",
         "",
     ])

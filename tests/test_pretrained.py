@@ -303,5 +303,8 @@ def test_the_served_model_runs_in_bf16_only_where_it_agrees_with_fp32_and_pays(t
     monkeypatch.setattr(inference, "cpu_has_bf16", lambda: True)
     chosen, checked = serving_precision(classifier, texts, min_speedup=0.0)
     assert checked["serving_bf16_agreement"] >= 0.995 and chosen == "bf16" == classifier.precision
+    served, _ = classifier._serving()  # bf16 weights, made once; the fp32 model stays as it was
+    assert {p.dtype for p in served.parameters()} == {torch.bfloat16} and served is classifier._serving()[0]
+    assert {p.dtype for p in classifier.model.parameters()} == {torch.float32}
     assert serving_precision(classifier, texts, min_speedup=1e9)[0] == "fp32"  # not faster: fp32
     assert serving_precision(classifier, texts, min_agreement=1.01, min_speedup=0.0)[0] == "fp32"  # labels differ: fp32

@@ -22,7 +22,7 @@ import torch
 
 from training.config import PreprocessConfig
 from training.data.vocab import UNK
-from training.evaluate import autocast, load_model
+from training.evaluate import autocast, load_model, serving_copy
 from training.linear import LinearModel
 from training.models import family_of
 from training.text.clean import normalizer
@@ -69,6 +69,14 @@ class TextClassifier(mlflow.pyfunc.PythonModel):
             self.linear = LinearModel.load(artifacts["linear"])
             self.word_stoi = _stoi(artifacts["vocab"])
 
+    def _serving(self) -> tuple[torch.nn.Module, str]:
+        """The model that predicts under ``self.precision`` (bf16: a bf16 copy of the weights, made once)."""
+        if self.precision != "bf16":
+            return self.model, self.precision
+        if getattr(self, "_bf16", None) is None:
+            self._bf16 = serving_copy(self.model, "bf16")
+        return self._bf16
+
     def _words(self, clean: list[str]) -> list[list[str]]:
         """Word tokens as the prepared vocabulary holds them (tokens it lacks as <unk>)."""
         stoi = self.word_stoi
@@ -89,8 +97,9 @@ class TextClassifier(mlflow.pyfunc.PythonModel):
             if self.model is not None:
                 if words is None and self.encoder.needs_words:
                     words = [self.segmenter.tokenize(c) for c in clean]
-                with torch.no_grad(), autocast(self.precision, torch.device("cpu")):
-                    logits = self.model(self.encoder(clean, words))
+                model, precision = self._serving()
+                with torch.no_grad(), autocast(precision, torch.device("cpu")):
+                    logits = model(self.encoder(clean, words))
                 probs = self.weight * torch.softmax(logits.float(), dim=1).numpy().astype(np.float64)
             if self.linear is not None:
                 probs = probs + (1.0 - self.weight) * self.linear.predict_proba(clean, words)
