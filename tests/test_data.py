@@ -1,5 +1,4 @@
 import json
-import math
 from collections import Counter
 
 import numpy as np
@@ -164,8 +163,6 @@ def test_length_grouped_sampler_shares_every_text_and_pads_less(world):
     assert padded(shares) < 0.65 * padded([list(s) for s in plain])
     samplers[0].set_epoch(2)
     assert list(samplers[0]) != shares[0]  # steps drawn anew each epoch
-    small = LengthGroupedSampler(lengths[:1000], 32, world, 0, seed=13)  # a small split: never one sorted epoch
-    assert math.ceil(1000 / (32 * world)) // small.group >= 8
     again = LengthGroupedSampler(lengths, 32, world, 0, seed=13)
     again.set_epoch(1)
     assert list(again) == shares[0]  # reproducible from the seed and the epoch

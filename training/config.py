@@ -206,9 +206,10 @@ class TrainConfig(_Section):
     )
     group_by_length: bool = Field(
         True, title="Group texts by length",
-        description="Batch texts of similar length together (sorted within groups of up to 50 steps' texts, at least 8 "
-                    "groups an epoch, the steps then shuffled): less padding in every batch, and under DDP the ranks of a step wait less for each other. "
-                    "Off: batches drawn at random (the fasttext family's default: its steps cost little for padding).",
+        description="Batch texts of similar length together (sorted within groups of 50 steps' texts, the steps "
+                    "then shuffled): less padding in every batch, and under DDP the ranks of "
+                    "a step wait less for each other. Off: batches drawn at random (the fasttext family's default: its "
+                    "steps cost little for padding).",
     )
     label_smoothing: float = Field(0.0, ge=0, lt=1, title="Label smoothing", description="Cross-entropy label smoothing.")
     class_weights: Literal["none", "balanced"] = Field(

@@ -46,7 +46,7 @@ def predict_proba(
 def serving_copy(model: nn.Module, precision: str) -> tuple[nn.Module, str]:
     """What predicts under ``precision`` when serving: for ``bf16``, a copy of ``model`` with bf16 weights run without
     autocast (autocast casts every weight at every call and keeps softmax and LayerNorm in fp32; on a CPU with AMX
-    the bf16 copy was about 1.4x faster again, BENCHMARKS.md, pretrained family); otherwise the model itself."""
+    the bf16 copy was about 1.2x faster again, BENCHMARKS.md, pretrained family); otherwise the model itself."""
     if precision != "bf16":
         return model, precision
     import copy

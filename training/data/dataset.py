@@ -7,9 +7,8 @@ asks for, each cut at its limit; the family's ``collate`` pads a batch
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -57,22 +56,18 @@ class LengthGroupedSampler(Sampler[int]):
     on every rank, ``set_epoch``), with the texts of one optimiser step of similar length. Texts are padded to their
     batch's longest, and under DDP a step waits for the rank with the widest batch: with random batches a step of 2
     ranks pads like the longer of two batches (about 1.1x one batch's tokens on the built-in corpus), and every
-    batch pads to its longest text. Here the shuffled split is cut into groups of ``group`` steps' texts (fewer on a
-    small split, so that an epoch has at least ``min_groups`` groups), each group
-    sorted by length and cut into steps of ``batch_size`` texts per rank, and the steps are shuffled (the last,
-    shorter one stays last): the ranks of a step get neighbouring lengths and little padding, while which texts meet
-    in a step changes every epoch (the ``group_by_length`` of Hugging Face's Trainer, extended across the ranks)."""
+    batch pads to its longest text. Here the shuffled split is cut into groups of ``group`` steps' texts, each group
+    sorted by length and cut into steps
+    of ``batch_size`` texts per rank, and the steps are shuffled (the last, shorter one stays last): the ranks of a
+    step get neighbouring lengths and little padding, while which texts meet in a step changes every epoch (the
+    ``group_by_length`` of Hugging Face's Trainer, extended across the ranks)."""
 
     def __init__(self, lengths: np.ndarray, batch_size: int, num_replicas: int = 1, rank: int = 0, seed: int = 0,
-                 group: int = 50, min_groups: int = 8):
+                 group: int = 50):
         self.lengths = np.asarray(lengths)
-        self.batch_size, self.num_replicas, self.rank, self.seed = batch_size, num_replicas, rank, seed
+        self.batch_size, self.num_replicas, self.rank, self.seed, self.group = batch_size, num_replicas, rank, seed, group
         self.epoch = 0
         self.total = math.ceil(len(self.lengths) / num_replicas) * num_replicas  # padded by repeating texts, as DistributedSampler
-        # at least ``min_groups`` groups an epoch: on a small split one group would sort the whole epoch by length, and
-        # every batch would hold one band of lengths (a from-scratch encoder on 750 texts then learnt nothing)
-        steps = math.ceil(self.total / (batch_size * num_replicas))
-        self.group = max(1, min(group, steps // min_groups))
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
