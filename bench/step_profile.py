@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from training import distributed
-from training.data.dataset import LengthGroupedSampler
+from training.data.dataset import train_sampler
 from training.data.prepare import load_manifest
 from training.evaluate import open_split
 from training.models import family_of
@@ -46,9 +46,7 @@ def main(prepared: str, name: str, out: str) -> None:
     trained = DDP(model) if world > 1 else model
     data = open_split(prepared, "train", cfg.model, cfg.preprocess.max_len, sizes)
     batch = cfg.train.batch_size
-    sampler = (LengthGroupedSampler(data.lengths(), batch, world, rank, 0) if cfg.train.group_by_length
-               else DistributedSampler(data, world, rank, seed=0))
-    loader = DataLoader(data, batch_size=batch, sampler=sampler, collate_fn=data.collate)
+    loader = DataLoader(data, batch_size=batch, sampler=train_sampler(data, cfg.train, world, rank), collate_fn=data.collate)
     optimizer = make_optimizer(model, cfg.train.lr, cfg.train.weight_decay)
     spent, steps = dict.fromkeys(PARTS, 0.0), 0
     mark = time.perf_counter()

@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from bench.common import Timing, quick_size, verdict
 from training.job import WorkerJob
 from training.worker import clip_gradients, make_optimizer
 from training.presets import preset
-from training.data.dataset import LengthGroupedSampler
+from training.data.dataset import LengthGroupedSampler, train_sampler
 from training.data.prepare import load_manifest, prepare_dataset
 from training.evaluate import autocast, open_split
 from training.models import family_of
@@ -67,14 +67,13 @@ def bare_rate(prepared: Path, cfg, threads: int | None = None, precision: str = 
     model = family.build(cfg.model, sizes, len(manifest["labels"]))
     data = open_split(prepared, "train", cfg.model, cfg.preprocess.max_len, sizes)
     # the worker's batches (texts grouped by length unless train.group_by_length is off): the same padding
-    sampler = LengthGroupedSampler(data.lengths(), cfg.train.batch_size) if cfg.train.group_by_length else RandomSampler(data)
+    sampler = train_sampler(data, cfg.train)
     loader = DataLoader(data, batch_size=cfg.train.batch_size, sampler=sampler, collate_fn=data.collate)
     optimizer = make_optimizer(model, cfg.train.lr, cfg.train.weight_decay)  # AdamW (and SparseAdam for sparse tables)
     model.train()
     rate = 0.0
     for epoch in range(EPOCHS):
-        if isinstance(sampler, LengthGroupedSampler):
-            sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch)
         started, seen = time.perf_counter(), 0
         for inputs, labels in loader:
             with autocast(precision, torch.device("cpu")):

@@ -26,11 +26,11 @@ from sklearn.metrics import accuracy_score, f1_score
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import prune as torch_prune
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from training import distributed
 from training.checkpoint import load_checkpoint, save_checkpoint
-from training.data.dataset import LengthGroupedSampler, to_device
+from training.data.dataset import to_device, train_sampler
 from training.data.prepare import load_manifest
 from training.distill import WithTeacher, kd_loss
 from training.evaluate import autocast, autocast_dtype, open_split, predict_proba
@@ -293,10 +293,7 @@ class Trainer(RankZeroOutput):
             counts = np.bincount(labels[labels >= 0], minlength=self.num_classes).astype(np.float64)  # -1: unlabelled
             weights = counts.sum() / (self.num_classes * np.maximum(counts, 1))
             self.class_weights = torch.tensor(weights, dtype=torch.float32, device=info.device)
-        if job.train.group_by_length:
-            self.sampler = LengthGroupedSampler(self.train_set.lengths(), job.train.batch_size, info.world_size, info.rank, job.train.seed)
-        else:
-            self.sampler = DistributedSampler(self.train_set, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=job.train.seed)
+        self.sampler = train_sampler(self.train_set, job.train, info.world_size, info.rank)
         self.loader = DataLoader(
             self.train_set, batch_size=job.train.batch_size, sampler=self.sampler,
             collate_fn=self.train_set.collate, pin_memory=info.device.type == "cuda",

@@ -97,6 +97,16 @@ class LengthGroupedSampler(Sampler[int]):
             yield from step[self.rank * share:(self.rank + 1) * share].tolist()
 
 
+def train_sampler(dataset, train, num_replicas: int = 1, rank: int = 0) -> Sampler[int]:
+    """The training sampler ``train`` (a TrainConfig) asks for: texts grouped by length (``train.group_by_length``) or
+    drawn at random, this rank's share, seeded by ``train.seed``."""
+    from torch.utils.data import DistributedSampler
+
+    if train.group_by_length:
+        return LengthGroupedSampler(dataset.lengths(), train.batch_size, num_replicas, rank, train.seed)
+    return DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=train.seed)
+
+
 def pad_batch(batch: list, min_len: int = 1, pad_id: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Right-pad each input with ``pad_id`` to the longest text of the batch (at least ``min_len``, the widest kernel)."""
     if not isinstance(batch[0][0], dict):  # a bare (ids, label) list: word input
