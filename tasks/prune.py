@@ -73,10 +73,12 @@ def prune_report(config: PipelineConfig, trained: dict, evaluated_trained: dict,
                  prepared: dict, prune_parent: dict) -> dict:
     """Before/after measurements of the final model against the trained one, the trade-off plot; closes the prune run."""
     p = config.prune
-    # both measured here, back to back, so that the latency ratio holds on a busy machine
-    before, after = ({k: m[k] for k in SUMMARY_KEYS} for m in (
-        measure_checkpoint(ckpt, prepared["path"], config.preprocess.max_len, p.latency_threads)
-        for ckpt in (trained["best_checkpoint"], evaluated["checkpoint"])))
+    # both measured here, back to back, so that the latency ratio holds on a busy machine; without rounds the final
+    # model is the trained one, measured once (timing a pretrained encoder twice cost minutes for a ratio of 1)
+    checkpoints = [trained["best_checkpoint"]] + ([evaluated["checkpoint"]] if rounds else [])
+    measured = [{k: m[k] for k in SUMMARY_KEYS} for m in (
+        measure_checkpoint(ckpt, prepared["path"], config.preprocess.max_len, p.latency_threads) for ckpt in checkpoints)]
+    before, after = measured[0], measured[-1]
     f1_before, f1_after = evaluated_trained["metrics"]["test_macro_f1"], evaluated["metrics"]["test_macro_f1"]
     metrics = ({f"before_{k}": v for k, v in before.items()} | {f"after_{k}": v for k, v in after.items()} | {
         "test_macro_f1_before": f1_before, "test_macro_f1_after": f1_after, "test_macro_f1_change": f1_after - f1_before,

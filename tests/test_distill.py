@@ -220,6 +220,7 @@ def test_a_tokenizer_teacher_teaches_a_jieba_word_student(tiny_bert, reviews, tm
     m = summary["metrics"]
     assert m["distill_teacher_test_macro_f1"] > 0.8 and m["distill_distilled_test_macro_f1"] > 0.8
     assert m["distill_speedup_b64_vs_teacher"] > 0  # the teacher is a checkpoint: timed like the student
+    assert m["prune_speedup_b64"] == m["prune_speedup_b1"] == 1.0  # prune.amount=0: the trained model, timed once
     assert {"alone", "distilled"} <= {k.split("_")[1] for k in m if k.startswith("distill_")}
     mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
     try:
