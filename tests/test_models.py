@@ -1,3 +1,4 @@
+import math
 import pytest
 import torch
 
@@ -179,6 +180,49 @@ def test_fasttext_learns_what_only_the_order_of_tokens_tells():
             opt.step()
         scores[n] = (model({"word": tokens}).argmax(1) == labels).float().mean().item()
     assert scores == {1: 0.5, 2: 1.0}
+
+
+def test_fasttext_weighs_features_by_the_train_splits_idf_and_old_checkpoints_weigh_one():
+    """fit_weights gives each token and n-gram scikit-learn's smoothed idf over the texts it is shown (a feature no
+    text had, and padding, weigh 0); the text's vector is the idf-weighted sum over its L2 norm, which with every
+    weight 1 is the plain sum over the square root of the count; a checkpoint without the weights loads with 1s."""
+    from sklearn.feature_extraction.text import TfidfTransformer
+
+    from training.models.fasttext import ngram_ids
+
+    cfg = ModelConfig(name="fasttext", input="word", embed_dim=4, ngrams=2, buckets=97, dropout=0.0)
+    model = build_model(cfg, {"word": 6, "char": 5}, num_classes=2)
+    encoder = model.encoders["word"]
+    tokens = torch.tensor([[2, 3, 2, 0], [3, 4, 0, 0], [2, 2, 2, 5]])
+    torch.manual_seed(0)
+    for table in (encoder.embedding, encoder.ngrams):
+        torch.nn.init.normal_(table.weight)
+        table.weight.data[0] = 0.0  # padding's row, as training keeps it
+    plain = encoder(tokens)
+    counts = (tokens != 0).sum(1, keepdim=True)
+    bigrams = ngram_ids(tokens, 2, 97)
+    expected = (encoder.embedding(tokens).sum(1) + encoder.ngrams(bigrams).sum(1)) / (counts + (bigrams != 0).sum(1, keepdim=True)).sqrt()
+    assert torch.allclose(plain, expected, atol=1e-6)
+
+    encoder.fit_weights([tokens[:2], tokens[2:]])  # batches: document frequencies add up over them
+    docs = torch.zeros(3, 6)
+    for i, row in enumerate(tokens):
+        for t in row[row != 0]:
+            docs[i, t] += 1
+    idf = torch.tensor(TfidfTransformer(smooth_idf=True).fit(docs[:, 1:].numpy()).idf_, dtype=torch.float32)
+    seen = docs[:, 1:].sum(0) > 0
+    assert torch.allclose(encoder.token_weight[1:][seen], idf[seen]) and encoder.token_weight[1:][~seen].eq(0).all()
+    assert encoder.token_weight[0] == 0 and encoder.ngram_weight[0] == 0
+    assert encoder.ngram_weight[bigrams[0, 0]] == pytest.approx(1 + math.log(4 / 2))  # "2 3": in 1 of 3 texts
+    w, wb = encoder.token_weight[tokens], encoder.ngram_weight[bigrams]
+    weighted = ((w.unsqueeze(2) * encoder.embedding(tokens)).sum(1) + (wb.unsqueeze(2) * encoder.ngrams(bigrams)).sum(1))
+    norm = (w.square().sum(1) + wb.square().sum(1)).sqrt().unsqueeze(1)
+    assert torch.allclose(encoder(tokens), weighted / norm, atol=1e-6) and not torch.allclose(encoder(tokens), plain)
+
+    old = {k: v for k, v in model.state_dict().items() if not k.endswith("_weight")}  # saved before the weights
+    again = build_model(cfg, {"word": 6, "char": 5}, num_classes=2)
+    again.load_state_dict(old)
+    assert torch.allclose(again.encoders["word"](tokens), plain, atol=1e-6)
 
 
 def test_fasttext_refuses_a_table_too_large():

@@ -73,7 +73,7 @@ def test_structured_removes_dead_units_without_changing_outputs(name, inputs):
     pruned, small = structured_prune(model, cfg, 0.5)
     assert torch.allclose(pruned(x), model(x), atol=1e-5)
     assert _params(pruned) < _params(model)
-    assert not list(pruned.buffers()) or name == "transformer"
+    assert not [n for n, _ in pruned.named_buffers() if n.endswith("_mask")]  # plain weights, no pruning masks
     # the smaller ModelConfig alone rebuilds it: a model of the same family with smaller layers, no masks
     rebuilt = build_model(small, VOCAB, 3).eval()
     rebuilt.load_state_dict(pruned.state_dict())

@@ -148,6 +148,11 @@ class ModelConfig(_Section):
         262_144, ge=1, le=16_777_216, title="N-gram buckets",
         description="fasttext: rows of the table the n-grams of 2 or more tokens are hashed into, per input.",
     )
+    idf: bool = Field(
+        True, title="IDF weights",
+        description="fasttext: each feature weighs its inverse document frequency in the train split, as in TF-IDF "
+                    "(off: every feature weighs 1).",
+    )
     max_char_len: int = Field(256, ge=8, le=8192, title="Max characters", description="Character input is truncated to this many characters.")
     dropout: float = Field(0.5, ge=0, lt=1, title="Dropout", description="Dropout before the classifier (and inside the encoder).")
 

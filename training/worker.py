@@ -258,8 +258,11 @@ class Trainer(RankZeroOutput):
         self.sizes = self.family.checkpoint_sizes(init) if init else self.family.sizes(manifest, job.model, job.max_len)
         torch.manual_seed(job.train.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
         model = self.family.build(job.model, self.sizes, self.num_classes)
+        train_split = open_split(job.prepared_dir, "train", job.model, job.max_len, self.sizes)
         if init:
             model.load_state_dict(init["model"])
+        else:  # every rank the same from the same split (a resume loads them with the weights)
+            self.family.fit(model, job.model, train_split)
         if job.train.gradient_checkpointing:
             self.family.enable_gradient_checkpointing(model, job.model)
         fp16 = autocast_dtype(job.train.precision, info.device) == torch.float16
@@ -279,11 +282,14 @@ class Trainer(RankZeroOutput):
         if self.tables:
             ignore = {id(m.weight) for m in self.tables}
             DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, p in model.named_parameters() if id(p) in ignore])
-        self.model = DDP(self.raw_model, device_ids=[info.local_rank] if info.device.type == "cuda" else None) if info.ddp else self.raw_model
+        # buffers are not broadcast each step: every rank computes its own the same way (a fastText model's feature
+        # weights, 2 MB, fit from the same split; position ids), and a resume loads them on every rank
+        self.model = DDP(self.raw_model, device_ids=[info.local_rank] if info.device.type == "cuda" else None,
+                         broadcast_buffers=False) if info.ddp else self.raw_model
         if job.train.compile:  # the training forward only; validation and checkpoints use the plain module
             self.model = torch.compile(self.model)
 
-        self.train_set = open_split(job.prepared_dir, "train", job.model, job.max_len, self.sizes)
+        self.train_set = train_split
         if job.teacher_probs:  # distillation: each batch also carries the teacher's probabilities of its rows
             self.train_set = WithTeacher(self.train_set, np.load(job.teacher_probs))
         self.val_set = open_split(job.prepared_dir, "val", job.model, job.max_len, self.sizes)

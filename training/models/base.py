@@ -67,6 +67,9 @@ class Family(ABC):
                          reference: ModelConfig) -> tuple[nn.Module, ModelConfig]:
         """A smaller model of the family, the ``amount`` share of ``reference``'s units removed (training.prune)."""
 
+    def fit(self, model: nn.Module, cfg: ModelConfig, train) -> None:
+        """Set what a fresh model learns from the train split before training (``train``: its ``EncodedSplit``)."""
+
     def sizes_of(self, model: nn.Module, sizes: dict) -> dict:
         """The sizes of ``model`` after structured pruning (saved with the pruned checkpoint); ``sizes``: before."""
         return sizes

@@ -3,8 +3,10 @@
 Every token of the text (a jieba word or a character, by ``model.input``) and every run of 2 to ``model.ngrams`` tokens
 is a feature. Tokens look their vector up in the vocabulary's embedding; longer n-grams are hashed from their token ids
 into ``model.buckets`` rows of a second table, inside the model, so the served model needs nothing besides the
-vocabularies the other families use. The text's vector is the sum of its features' vectors over the square root of
-their number (the sum's scale stays that of one feature whatever the length, as an L2-normalised bag of counts does).
+vocabularies the other families use. The text's vector is the sum of its features' vectors, each weighed by the
+feature's inverse document frequency in the train split (``model.idf``; the weights are buffers fitted before training
+and saved with the model), over the L2 norm of the weights (the sum's scale stays that of one feature whatever the
+length, as a TF-IDF vector's does; with every weight 1, the square root of the number of features).
 Both tables start at zero (the linear layer breaks the symmetry: each feature's gradient is that layer's weights
 times the error): an n-gram or token no training text had keeps a zero vector instead of a random one, which on a
 small dataset (300 texts of 60 classes, most test n-grams unseen) was 8 points of test macro-F1 in one
@@ -49,16 +51,57 @@ class FastTextEncoder(nn.Module):
             if table is not None:
                 table.sparse = True  # a batch touches a few thousand rows: sparse gradients (training.worker.make_optimizer)
                 nn.init.zeros_(table.weight)  # a feature never seen in training adds nothing, as in TF-IDF (see below)
+        # each feature's weight in the text's vector: 1 until fit_weights sets the train split's idf (saved with the
+        # model, so evaluation and the served model weigh as training did); padding weighs 0
+        self.register_buffer("token_weight", torch.ones(vocab_size))
+        self.token_weight[0] = 0.0
+        if self.ngrams is not None:
+            self.register_buffer("ngram_weight", torch.ones(cfg.buckets + 1))
+            self.ngram_weight[0] = 0.0
         self.out_dim = cfg.embed_dim
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        total = self.embedding(tokens).sum(1)  # padding's row is zero and never trained
-        count = (tokens != 0).sum(1)
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for name in ("token_weight", "ngram_weight"):  # a checkpoint written before the weights: every feature weighs 1
+            if hasattr(self, name) and prefix + name not in state_dict:
+                state_dict[prefix + name] = getattr(self, name).new_ones(getattr(self, name).shape).index_fill_(0, torch.tensor([0]), 0.0)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def features(self, tokens: torch.Tensor):
+        """(table, ids, weight table) of every order of feature of ``tokens``: the tokens, then each n-gram order."""
+        yield self.embedding, tokens, self.token_weight
         for n in range(2, self.orders + 1):
-            ids = ngram_ids(tokens, n, self.buckets)
-            total = total + self.ngrams(ids).sum(1)
-            count = count + (ids != 0).sum(1)
-        return total / count.clamp(min=1).unsqueeze(1).to(total.dtype).sqrt()
+            yield self.ngrams, ngram_ids(tokens, n, self.buckets), self.ngram_weight
+
+    @torch.no_grad()
+    def fit_weights(self, batches) -> None:
+        """Each feature's inverse document frequency over the texts of ``batches`` (right-padded token ids), as
+        scikit-learn's smoothed idf, ``ln((1 + n) / (1 + df)) + 1``; a feature no text had weighs 0, as one outside a
+        TF-IDF vocabulary (its vector is zero anyway: it only stays out of the text's norm)."""
+        tables = {"token_weight": self.token_weight.numel()}
+        if self.ngrams is not None:
+            tables["ngram_weight"] = self.ngram_weight.numel()
+        df = {name: torch.zeros(size, dtype=torch.float64) for name, size in tables.items()}
+        texts = 0
+        for tokens in batches:
+            texts += tokens.size(0)
+            rows = torch.arange(tokens.size(0)).unsqueeze(1)
+            for (_, ids, weight), name in zip(self.features(tokens), ["token_weight"] + ["ngram_weight"] * (self.orders - 1)):
+                size = tables[name]
+                once = torch.unique((rows * size + ids).flatten()) % size  # each feature once per text
+                df[name] += torch.bincount(once, minlength=size).double()
+        for name, counts in df.items():
+            idf = torch.log((1.0 + texts) / (1.0 + counts)) + 1.0
+            idf[counts == 0] = 0.0
+            idf[0] = 0.0  # padding
+            getattr(self, name).copy_(idf.to(getattr(self, name).dtype))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        total, norm = 0.0, 0.0
+        for table, ids, weight in self.features(tokens):
+            w = weight[ids]  # padding weighs 0
+            total = total + torch.bmm(w.unsqueeze(1).to(table.weight.dtype), table(ids)).squeeze(1)
+            norm = norm + w.square().sum(1)
+        return total / norm.clamp(min=1e-12).sqrt().unsqueeze(1).to(total.dtype)
 
 
 class FastText(ScratchFamily):
@@ -71,12 +114,25 @@ class FastText(ScratchFamily):
         "model.input": {"choices": ["word", "char", "both"]},
         "model.embed_dim": {"choices": [16, 32, 64]},
         "model.ngrams": {"choices": [2, 3, 4]},
+        "model.idf": {"choices": [True, False]},
         "model.dropout": {"low": 0.0, "high": 0.5},
         "train.lr": {"low": 1e-3, "high": 2e-2, "log": True},
         "train.batch_size": {"choices": [16, 32, 64]},
         "augment.enabled": {"choices": [False, True]},
         "prune.amount": {"choices": [0.0, 0.3, 0.5]},
     }
+
+    def fit(self, model, cfg, train) -> None:
+        """The inverse document frequency of every token and n-gram in the train split (``model.idf``). On 300 texts
+        of 60 classes (law-names-300) macro-F1 on its validation and test texts together, 4 seeds: 0.671 against
+        0.624 with every feature weighing 1; on the built-in corpus, 3 seeds: 0.8484 against 0.8472."""
+        if not cfg.idf:
+            return
+        from torch.utils.data import DataLoader
+
+        loader = DataLoader(train, batch_size=512, collate_fn=train.collate)
+        for name, encoder in model.encoders.items():
+            encoder.fit_weights(batch[name] for batch, _ in loader)
 
     def check(self, cfg: ModelConfig) -> None:
         from training.config import ConfigError
