@@ -140,6 +140,32 @@ def test_the_choice_goes_by_validation_score():
     assert pick({"neural": 0.85, "linear": 0.85}) == "neural"  # a tie: the first listed
 
 
+def test_the_ensemble_competes_with_its_score_at_the_chosen_weight_and_a_model_it_only_equals_wins():
+    """The ensemble's validation score is the one its weight was chosen on, never below either model's (weights 0 and 1
+    are the models themselves); where averaging adds nothing the plain model is picked, where it helps the ensemble."""
+    rng = np.random.default_rng(1)
+    labels = rng.integers(0, 3, 300)
+    good = np.eye(3)[labels] * 0.5 + rng.dirichlet(np.ones(3), 300) * 0.6  # right on most texts
+    flat = np.full((300, 3), 1 / 3)  # no opinion: averaging with it changes no prediction
+    for neural, linear, expected in ((good, good, "neural"), (flat, good, "linear"), (good, flat, "neural")):
+        w, f1 = choose_weight(neural, linear, labels)
+        scores = {"neural": _f1(labels, neural), "linear": _f1(labels, linear), "ensemble": f1}
+        assert f1 == max(scores["neural"], scores["linear"])
+        assert pick(scores) == expected, (w, scores)
+    # two models right on different texts: the average is right where either is confident, better than both
+    half = np.arange(300) < 150
+    a = np.where(half[:, None], np.eye(3)[labels] * 0.9 + 0.03, 1 / 3 + 0.01 * np.eye(3)[(labels + 1) % 3])
+    b = np.where(~half[:, None], np.eye(3)[labels] * 0.9 + 0.03, 1 / 3 + 0.01 * np.eye(3)[(labels + 1) % 3])
+    w, f1 = choose_weight(a, b, labels)
+    assert f1 == 1.0 and 0 < w < 1 and pick({"neural": _f1(labels, a), "linear": _f1(labels, b), "ensemble": f1}) == "ensemble"
+
+
+def _f1(labels, probs):
+    from sklearn.metrics import f1_score
+
+    return float(f1_score(labels, probs.argmax(1), average="macro"))
+
+
 @pytest.mark.slow
 def test_ties_keep_the_champion_and_each_task_gets_its_own_registered_model(prefect_server, mlflow_store, reviews, tmp_path):
     """Three identical registrations: version 1 stays champion (an equal score is no win, compared unrounded). A
