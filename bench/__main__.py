@@ -18,14 +18,15 @@ from pathlib import Path
 # the temporary Prefect server a section's flow starts gets 20 s by default: too little on a busy 2-core machine
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
-from bench import common, datasets, defaults, distill, orchestration, preprocess, pretrain, pretrained, pruning, quality, sweeps, tracking, training
+from bench import common, datasets, defaults, distill, gpu, orchestration, preprocess, pretrain, pretrained, pruning, quality, sweeps, tracking, training
 from bench.common import cpu_name, machine, verdict
 
 SECTIONS = {"preprocess": preprocess.run, "training": training.run, "datasets": datasets.run, "quality": quality.run, "pruning": pruning.run,
             "distill": distill.run, "distill_pretrained": distill.run_pretrained, "pretrained": pretrained.run, "pretrained_quality": pretrained.run_quality,
             "pretraining": pretrain.run, "pretraining_gain": pretrain.run_gain, "orchestration": orchestration.run, "tracking": tracking.run, "sweeps": sweeps.run,
-            "defaults": defaults.run}  # in this order
-ON_REQUEST = {"defaults", "distill_pretrained"}  # too long for a plain run (about 90 and 80 min): --only NAME
+            "defaults": defaults.run, "gpu": gpu.run}  # in this order
+# too long for a plain run (about 90 and 80 min), or for a CUDA GPU only (about 12 min on an H200): --only NAME
+ON_REQUEST = {"defaults", "distill_pretrained", "gpu"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in SECTIONS]
     if unknown:
         parser.error(f"unknown section(s): {', '.join(unknown)}")
+    if "gpu" in names and not gpu.torch.cuda.is_available():  # never replace the GPU figures with an empty section
+        parser.error("the gpu section needs a CUDA device, and this machine has none")
     started = time.perf_counter()
     parts = {}
     for name in names:

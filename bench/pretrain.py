@@ -19,6 +19,7 @@ from pathlib import Path
 from bench import common
 from bench.common import quick_size, verdict
 from training.config import CorpusConfig, EncoderConfig, TrainConfig
+from training.distributed import TORCHRUN_ENV
 from training.events import EVENTS_FILE, EventReader
 from training.job import PretrainJob
 from training.mlm import MMAP_THRESHOLD
@@ -54,19 +55,21 @@ def prepare(files: list[Path], out: Path, size: str = "tiny", max_len: int = 64,
 
 
 def pretrain(corpus: Path, tmp: Path, size: str, strategy: str = "ddp", nproc: int = 2, threads: int = 1,
-             masking: str = "wwm", max_len: int = 64, env: dict | None = None, **train) -> dict:
-    """One pretraining run (``env``: more variables for the workers); its result, with the epoch events under
-    ``epochs``."""
+             masking: str = "wwm", max_len: int = 64, env: dict | None = None, restarts: int = 0,
+             checkpoint_minutes: float = 10.0, **train) -> dict:
+    """One pretraining run (``env``: more variables for the workers; ``restarts``: torchrun's --max-restarts); its
+    result, with the epoch events under ``epochs``."""
     out = tmp / f"run-{time.monotonic_ns()}"
     out.mkdir(parents=True)
     settings = {"epochs": 1, "lr": 5e-4, "batch_size": 16, "schedule": "linear", "warmup_ratio": 0.06, "min_steps": 0,
                 "strategy": strategy, "precision": "fp32", **train}
-    job = PretrainJob(corpus_dir=str(corpus), out_dir=str(out), export_dir=str(out / "encoder"),
+    job = PretrainJob(corpus_dir=str(corpus), out_dir=str(out), export_dir=str(out / "encoder"), checkpoint_minutes=checkpoint_minutes,
                       model=EncoderConfig(size=size, max_len=max_len, masking=masking), train=TrainConfig(**settings))
     (out / "job.json").write_text(job.model_dump_json())
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_RUN_ID", "MALLOC_MMAP_THRESHOLD_")} | {"OMP_NUM_THREADS": str(threads)} | (env or {})
+    env |= TORCHRUN_ENV
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "training.mlm", "--config", str(out / "job.json")]
+           "--max-restarts", str(restarts), "-m", "training.mlm", "--config", str(out / "job.json")]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if run.returncode:
         (out / "stderr.txt").write_text(run.stderr)

@@ -31,11 +31,11 @@ def test_smoke_bench_writes_every_section(tmp_path):
 
 @pytest.mark.parametrize(("wall", "quick", "expected"), [
     (None, False, "The sections' own times add up to 52 min (3100 s; some were re-measured with --only; "
-                  "the sections run only on request, defaults, distill_pretrained, not counted); "
+                  "the sections run only on request, defaults, distill_pretrained, gpu, not counted); "
                   "target under an hour on 2 cores: **met**."),
     (3700.4, False, "This run took 62 min (3700 s); target under an hour on 2 cores: **missed**."),
     (None, True, "The sections' own times add up to 52 min (3100 s; some were re-measured with --only; "
-                  "the sections run only on request, defaults, distill_pretrained, not counted); "
+                  "the sections run only on request, defaults, distill_pretrained, gpu, not counted); "
                  "target under ten minutes on 2 cores: **missed**."),
 ])
 def test_report_states_the_run_time_against_its_target(wall, quick, expected):

@@ -163,6 +163,31 @@ def test_under_fsdp_an_encoder_is_built_on_meta_and_each_rank_fills_only_its_own
     assert all(np.isfinite(found["losses"])) and found["losses"][-1] < found["losses"][0]
 
 
+def test_fsdp_in_a_single_process_makes_a_group_of_one_for_its_mesh(corpus_file, tmp_path):
+    """One GPU, or one process asked for: FSDP2 needs a process group for its device mesh even with one rank. The worker
+    makes one, under torchrun as run plainly (here: a store of its own), and the encoder trains and exports."""
+    from training.config import TrainConfig
+    from training.job import PretrainJob
+
+    prepare_corpus(CorpusConfig(files=[str(corpus_file)], held_out=0.1), EncoderConfig(size="tiny", max_len=32), tmp_path / "corpus",
+                   progress=lambda _: None)
+    job = PretrainJob(corpus_dir=str(tmp_path / "corpus"), out_dir=str(tmp_path / "out"), export_dir=str(tmp_path / "encoder"),
+                      model=EncoderConfig(size="tiny", max_len=32),
+                      train=TrainConfig(epochs=1, batch_size=32, lr=1e-3, strategy="fsdp", min_steps=0))
+    (tmp_path / "job.json").write_text(job.model_dump_json())
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    run = subprocess.run([sys.executable, "-m", "training.mlm", "--config", str(tmp_path / "job.json")], capture_output=True,
+                         text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "1 process(es) on cpu (fsdp)" in run.stdout
+    from training.events import EVENTS_FILE, EventReader
+    from transformers import AutoModelForMaskedLM
+
+    result = next(e for e in EventReader(tmp_path / "out" / EVENTS_FILE).read() if e["event"] == "result")
+    assert result["strategy"] == "fsdp" and result["world_size"] == 1 and np.isfinite(result["heldout_loss"])
+    AutoModelForMaskedLM.from_pretrained(result["export_dir"])
+
+
 def test_the_corpus_is_deduplicated_held_out_and_tokenized_in_shards(corpus_file, tmp_path):
     manifest = prepare_corpus(CorpusConfig(files=[str(corpus_file)], shard_texts=150, held_out=0.05, num_workers=2),
                               EncoderConfig(size="tiny", max_len=16), tmp_path / "c", progress=lambda _: None)

@@ -37,7 +37,9 @@ class DistInfo:
         return self.world_size > 1
 
 
-def setup() -> DistInfo:
+def setup(group: bool = False) -> DistInfo:
+    """This process's place in the job; the process group is made for a world of several, and for a world of one
+    when ``group`` asks for it (FSDP2 shards over a device mesh, which needs one even on a single GPU)."""
     faulthandler.enable()  # a rank that dies of a signal (SIGABRT, SIGSEGV) prints where every thread was
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -49,7 +51,12 @@ def setup() -> DistInfo:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    if world_size > 1 and not dist.is_initialized():
+    if world_size == 1 and group and not dist.is_initialized():
+        if "MASTER_ADDR" in os.environ:  # under torchrun
+            dist.init_process_group(backend=backend)
+        else:  # run plainly: a store of its own in this process
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    elif world_size > 1 and not dist.is_initialized():
         timeout = timedelta(minutes=10)
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # a torchrun started without TORCHRUN_ENV: one store for every attempt, so a per-attempt prefix.

@@ -12,20 +12,28 @@ on a busy two-core machine).
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
-from mlflow.entities import Metric
-from mlflow.tracking import MlflowClient
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
 
 
 class MetricLogger:
+    """MLflow is imported here, not with the module: a worker that logs nothing (ranks other than 0, a run without
+    tracking) starts without it."""
+
     def __init__(self, run_id: str, client: MlflowClient | None = None):
+        from mlflow.entities import Metric
+        from mlflow.tracking import MlflowClient
+
         self.run_id = run_id
         self.client = client or MlflowClient()
+        self._metric = Metric
         self._buffer: list[Metric] = []
 
     def add(self, step: int, **values: float) -> None:
         now = int(time.time() * 1000)
-        self._buffer.extend(Metric(key, float(value), now, int(step)) for key, value in values.items())
+        self._buffer.extend(self._metric(key, float(value), now, int(step)) for key, value in values.items())
 
     def set_tag(self, key: str, value: str) -> None:
         self.client.set_tag(self.run_id, key, value)

@@ -247,6 +247,9 @@ class PretrainTrainer(RankZeroOutput):
         self.sampler = DistributedSampler(self.train_set, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=self.t.seed)
         self.batches = math.ceil(len(self.sampler) / self.t.batch_size)
         self.optimizer = torch.optim.AdamW(parameter_groups(model, self.t.weight_decay), lr=self.t.lr)
+        # fp16: losses scaled, overflow steps skipped (under FSDP2 the sharded gradients are DTensors, whose overflow
+        # check is reduced over the mesh, so every rank skips the same steps)
+        self.scaler = torch.amp.GradScaler(info.device.type, enabled=self.amp_dtype == torch.float16)
         self.steps_per_epoch = math.ceil(self.batches / self.t.grad_accum)
         self.total_steps = self.t.epochs * self.steps_per_epoch
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -279,6 +282,8 @@ class PretrainTrainer(RankZeroOutput):
         set_state_dict(self.raw, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         trainer = torch.load(folder / "trainer.pt", weights_only=False)
         self.scheduler.load_state_dict(trainer["scheduler"])
+        if trainer.get("scaler"):
+            self.scaler.load_state_dict(trainer["scaler"])
         self.epoch, self.batch, self.step, self.history = meta["epoch"], meta["batch"], meta["step"], meta["history"]
         self.print(f"resumed from {folder} at epoch {self.epoch + 1}, batch {self.batch} (step {self.step}; restart {self.restarts})")
 
@@ -299,7 +304,7 @@ class PretrainTrainer(RankZeroOutput):
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
         self._barrier()
         if self.info.is_main:
-            torch.save({"scheduler": self.scheduler.state_dict()}, tmp / "trainer.pt")
+            torch.save({"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}, tmp / "trainer.pt")
             shutil.rmtree(root / name, ignore_errors=True)
             os.replace(tmp, root / name)
             meta = {"folder": name, "epoch": self.epoch, "batch": self.batch, "step": self.step, "history": self.history}
@@ -350,14 +355,16 @@ class PretrainTrainer(RankZeroOutput):
                 self.model.set_requires_gradient_sync(last_micro)
             with sync:
                 loss = self._forward(batch)
-                (loss / self.t.grad_accum).backward()
+                self.scaler.scale(loss / self.t.grad_accum).backward()
             window = loss.detach() if window is None else window + loss.detach()
             in_window += 1
             self.batch = number + 1
             if last_micro:
                 if self.t.grad_clip > 0:
+                    self.scaler.unscale_(self.optimizer)  # clipping sees the true gradients (a no-op without fp16)
                     torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.t.grad_clip)
-                self.optimizer.step()
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.step += 1
@@ -401,6 +408,7 @@ class PretrainTrainer(RankZeroOutput):
             if masked:
                 total += torch.tensor([float(loss) * masked, masked], dtype=torch.float64)
         if self.info.ddp:
+            total = total.to(self.info.device)  # nccl reduces device tensors only
             dist.all_reduce(total)
         self.model.train()
         return float(total[0] / total[1]) if total[1] else math.nan
@@ -468,7 +476,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--config", required=True, help="PretrainJob JSON file")
     args = parser.parse_args(argv)
     job = PretrainJob.model_validate_json(Path(args.config).read_text())
-    info = distributed.setup()
+    info = distributed.setup(group=job.train.strategy == "fsdp")
     finished = False
     try:
         Path(job.out_dir).mkdir(parents=True, exist_ok=True)
