@@ -163,6 +163,40 @@ def test_under_fsdp_an_encoder_is_built_on_meta_and_each_rank_fills_only_its_own
     assert all(np.isfinite(found["losses"])) and found["losses"][-1] < found["losses"][0]
 
 
+@pytest.mark.parametrize("architecture", ["bert", "roberta"])
+def test_the_head_on_masked_positions_only_gives_the_full_models_loss_and_gradients(architecture):
+    import copy
+
+    import torch
+    from transformers import BertConfig, BertForMaskedLM, RobertaConfig, RobertaForMaskedLM
+
+    from training.mlm import predict_masked_only
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                 max_position_embeddings=70)
+    full = (BertForMaskedLM(BertConfig(**shape)) if architecture == "bert"
+            else RobertaForMaskedLM(RobertaConfig(pad_token_id=1, **shape))).eval()
+    masked = copy.deepcopy(full)
+    assert predict_masked_only(masked)
+    ids = torch.randint(5, 300, (4, 20))
+    attention = torch.ones_like(ids)
+    attention[0, 15:] = 0
+    labels = torch.full_like(ids, -100)
+    chosen = torch.rand(4, 20) < 0.2
+    labels[chosen] = ids[chosen]
+    expected = full(input_ids=ids, attention_mask=attention, labels=labels).loss
+    found = masked(input_ids=ids, attention_mask=attention, labels=labels)
+    assert torch.allclose(found, expected, atol=1e-6)
+    expected.backward()
+    found.backward()
+    for (name, p), q in zip(full.named_parameters(), masked.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.allclose(p.grad, q.grad, atol=1e-6), name
+    assert masked(input_ids=ids, attention_mask=attention, labels=torch.full_like(ids, -100)).item() == 0.0  # not NaN
+    assert set(masked.state_dict()) == set(full.state_dict())
+
+
 def test_fsdp_in_a_single_process_makes_a_group_of_one_for_its_mesh(corpus_file, tmp_path):
     """One GPU, or one process asked for: FSDP2 needs a process group for its device mesh even with one rank. The worker
     makes one, under torchrun as run plainly (here: a store of its own), and the encoder trains and exports."""

