@@ -6,10 +6,11 @@
 rows of the memory-mapped shards (DistributedSampler). Masks are drawn anew each epoch (dynamic masking), 15% of the
 tokens by default, 80% [MASK] / 10% a random token / 10% kept; with whole-word masking the tokens of one jieba word are
 chosen together. A batch's masks come from a generator seeded by (seed, rank, epoch, batch), so a resumed run draws
-the same ones.
+the same ones. The prediction head runs on the masked positions only (``predict_masked_only``).
 
 ``train.strategy=fsdp`` shards the model with FSDP2 (``fully_shard`` per encoder layer, then at the root; bf16
-parameters and fp32 gradient reduction under ``train.precision=bf16``); ``ddp`` replicates it. Checkpoints go through
+parameters and fp32 gradient reduction under ``train.precision=bf16``; fp16 with a gradient scaler), also in a single
+process (a process group of one for its mesh); ``ddp`` replicates it. Checkpoints go through
 ``torch.distributed.checkpoint`` (each rank writes its own shards), written under a temporary name and renamed whole,
 at each epoch's end and every ``checkpoint_minutes`` inside one; a restarted group resumes from the last one at the
 batch it had reached, and the metrics are sent to MLflow only with the checkpoint that holds their steps, so no step
@@ -112,8 +113,9 @@ def encoder_config(job: PretrainJob, tokenizer):
 def predict_masked_only(model: torch.nn.Module) -> bool:
     """Make ``model(input_ids, attention_mask, labels)`` return the MLM loss with the prediction head applied to the
     masked positions only, not to every position: the loss is the same (the mean cross-entropy over the masked
-    tokens), and the head's vocabulary-wide matrix product shrinks to about ``mask_prob`` of the tokens (on 2 CPU
-    cores, a 4-layer, 128-wide encoder with 6,000 tokens trained 1.8x as fast). The instance's forward is replaced, so
+    tokens), and the head's vocabulary-wide matrix product shrinks to about ``mask_prob`` of the tokens (a 4-layer,
+    128-wide encoder on 2 processes of 1 thread: 1.53-1.55x the tokens/s under DDP, 1.29-1.32x under FSDP2;
+    BENCHMARKS.md, pretraining throughput). The instance's forward is replaced, so
     DDP's and FSDP2's hooks, which run around it, are kept, and the state dict does not change. False, and the model
     left as it is, where the head is not one module beside the encoder (BERT's ``cls``, RoBERTa's ``lm_head``)."""
     base_name = model.base_model_prefix
