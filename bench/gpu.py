@@ -92,17 +92,17 @@ def run(quick: bool = False, repeats: int = 1, dataset: str | None = None, dry_r
         epochs = 1 if dry_run else 3
 
         # ---- every from-scratch family on CUDA ---------------------------------------------------------------------
-        note(*["### Every family's worker", "",
-                  f"Default preset, {data.max_samples} texts of the dataset (split as `zhflow run` splits them), {epochs} "
-                  "epoch(s), `train.precision=auto` (bf16 autocast on CUDA), one process.", "",
-                  "| family | samples/s (last epoch) | best validation macro-F1 | wall (s) | check |", "|---|---|---|---|---|"])
+        note("### Every family's worker", "",
+             f"Default preset, {data.max_samples} texts of the dataset (split as `zhflow run` splits them), {epochs} "
+             "epoch(s), `train.precision=auto` (bf16 autocast on CUDA), one process.", "",
+             "| family | samples/s (last epoch) | best validation macro-F1 | wall (s) | check |", "|---|---|---|---|---|")
         for fam in FAMILIES if "families" in parts else ():
             cfg = preset("default", fam).model_copy(update={"data": data})
             try:
                 r = worker(tmp / "plain", cfg, tmp, epochs=epochs, patience=epochs)
                 ok = r["best_val_macro_f1"] >= FLOOR or dry_run
                 note(_row([fam, f"{r['epoch_samples_per_second'][-1]:,.0f}", f"{r['best_val_macro_f1']:.4f}",
-                                   f"{r['seconds']:.0f}", "ok" if ok else f"**below {FLOOR}**"]))
+                          f"{r['seconds']:.0f}", "ok" if ok else f"**below {FLOOR}**"]))
                 failures += [] if ok else [f"{fam}: validation macro-F1 {r['best_val_macro_f1']:.4f}"]
             except Exception as e:  # noqa: BLE001 - the table says which run failed and why; the others still run
                 note(_row([fam, "-", "-", "-", f"**failed**: {str(e)[-300:]}".replace("\n", " ")]))
@@ -118,14 +118,14 @@ def run(quick: bool = False, repeats: int = 1, dataset: str | None = None, dry_r
         prepare_dataset(data, pre, tmp / "tok", tokenizer=str(source))
         ft = ft.model_copy(update={"data": data, "preprocess": pre, "model": ft.model.model_copy(update={"pretrained": str(source)})})
         precisions = ("fp32", "bf16") if dry_run else ("fp32", "bf16", "fp16")
-        note(*["### The pretrained family", "",
-                  f"A randomly initialised {layers}-layer, {width}-wide BERT (no checkpoint can be downloaded here) with a "
-                  f"WordPiece vocabulary of the dataset's characters, fine-tuned {epochs} epoch(s) at lr 1e-4, batch "
-                  f"{ft.train.batch_size}, sequences of up to 128 tokens. The last row kills the only process (SIGKILL) "
-                  "five optimiser steps into epoch 2: torchrun restarts it and it resumes from epoch 1's checkpoint, "
-                  "gradient scaler included.", "",
-                  "| precision | samples/s (last epoch) | best validation macro-F1 | restarts | wall (s) | check |",
-                  "|---|---|---|---|---|---|"])
+        note("### The pretrained family", "",
+             f"A randomly initialised {layers}-layer, {width}-wide BERT (no checkpoint can be downloaded here) with a "
+             f"WordPiece vocabulary of the dataset's characters, fine-tuned {epochs} epoch(s) at lr 1e-4, batch "
+             f"{ft.train.batch_size}, sequences of up to 128 tokens. The last row kills the only process (SIGKILL) "
+             "five optimiser steps into epoch 2: torchrun restarts it and it resumes from epoch 1's checkpoint, "
+             "gradient scaler included.", "",
+             "| precision | samples/s (last epoch) | best validation macro-F1 | restarts | wall (s) | check |",
+             "|---|---|---|---|---|---|")
         rates = {}
         n_train = json.loads((tmp / "tok" / "manifest.json").read_text())["splits"]["train"]["n"]
         kill_at = -(-n_train // ft.train.batch_size) + 5  # in epoch 2: it resumes from epoch 1's checkpoint
@@ -144,15 +144,15 @@ def run(quick: bool = False, repeats: int = 1, dataset: str | None = None, dry_r
                 rate = r["epoch_samples_per_second"][-1]
                 rates.setdefault(precision, rate)
                 note(_row([label, f"{rate:,.0f}", f"{r['best_val_macro_f1']:.4f}", r["restarts"], f"{r['seconds']:.0f}",
-                                   "ok" if ok else "**failed**"]))
+                          "ok" if ok else "**failed**"]))
                 if not ok:
                     failures.append(f"pretrained {label}: F1 {r['best_val_macro_f1']:.4f}, restarts {r['restarts']}")
             except Exception as e:  # noqa: BLE001
                 note(_row([label, "-", "-", "-", "-", f"**failed**: {str(e)[-300:]}".replace("\n", " ")]))
                 failures.append(f"pretrained {label}: {e}")
         if "fp32" in rates and "bf16" in rates:
-            note(*["", f"bf16 / fp32 training throughput: {rates['bf16'] / rates['fp32']:.2f}x"
-                      + (f"; fp16 / fp32: {rates['fp16'] / rates['fp32']:.2f}x." if "fp16" in rates else ".")])
+            note("", f"bf16 / fp32 training throughput: {rates['bf16'] / rates['fp32']:.2f}x"
+                     + (f"; fp16 / fp32: {rates['fp16'] / rates['fp32']:.2f}x." if "fp16" in rates else "."))
         note("")
 
         # ---- pretraining --------------------------------------------------------------------------------------------
@@ -160,13 +160,13 @@ def run(quick: bool = False, repeats: int = 1, dataset: str | None = None, dry_r
         n = 400 if dry_run else 8000
         prepare([write_lines(tmp / "c.txt", texts, n)], tmp / "corpus", max_len=128, held_out=0.05)
         small = _config_file(tmp, "small", SMALL)
-        note(*["### Pretraining (`training.mlm`)", "",
-                  f"MLM with whole-word masking, {n} lines, sequences of up to 128 tokens, batch 32, one epoch, one "
-                  f"process; the small encoder is {SMALL['num_hidden_layers']} layers x {SMALL['hidden_size']}. FSDP2 on "
-                  "one GPU shards over a mesh of one (the same code path as on several, no memory saved). The killed "
-                  "run loses its only process at step 40 and resumes from the sharded checkpoint "
-                  "(`torch.distributed.checkpoint`).", "",
-                  f"| run | tokens/s | held-out loss (a uniform guess: ln(vocabulary)) | peak {memory} (MB) | restarts | check |", "|---|---|---|---|---|---|"])
+        note("### Pretraining (`training.mlm`)", "",
+             f"MLM with whole-word masking, {n} lines, sequences of up to 128 tokens, batch 32, one epoch, one "
+             f"process; the small encoder is {SMALL['num_hidden_layers']} layers x {SMALL['hidden_size']}. FSDP2 on "
+             "one GPU shards over a mesh of one (the same code path as on several, no memory saved). The killed "
+             "run loses its only process at step 40 and resumes from the sharded checkpoint "
+             "(`torch.distributed.checkpoint`).", "",
+             f"| run | tokens/s | held-out loss (a uniform guess: ln(vocabulary)) | peak {memory} (MB) | restarts | check |", "|---|---|---|---|---|---|")
         mlm_runs = {"ddp, fp32": ("ddp", "fp32", {}), "ddp, bf16": ("ddp", "bf16", {}), "fsdp, bf16": ("fsdp", "bf16", {}),
                     "fsdp, fp16": ("fsdp", "fp16", {}), "ddp, fp16": ("ddp", "fp16", {}),
                     "fsdp, bf16, killed at step 40": ("fsdp", "bf16", {"kill": True})}
@@ -189,7 +189,7 @@ def run(quick: bool = False, repeats: int = 1, dataset: str | None = None, dry_r
                 chance = math.log(len(AutoTokenizer.from_pretrained(r["export_dir"])))  # a uniform guess's loss
                 ok = held == held and held < chance and r["restarts"] == restarts
                 note(_row([label, f"{r['tokens_per_second']:,.0f}", f"{held:.3f}", f"{max(r['peak_memory_mb']):,.0f}",
-                                   r["restarts"], "ok" if ok else "**failed**"]))
+                          r["restarts"], "ok" if ok else "**failed**"]))
                 if not ok:
                     failures.append(f"pretrain {label}: held-out loss {held}, restarts {r['restarts']}")
             except Exception as e:  # noqa: BLE001
@@ -200,9 +200,9 @@ def run(quick: bool = False, repeats: int = 1, dataset: str | None = None, dry_r
         # ---- a 110M-parameter encoder ---------------------------------------------------------------------------------
         shape = {**SMALL, "num_hidden_layers": 2} if dry_run else {**BIG, "num_hidden_layers": 12}
         big = _config_file(tmp, "big", shape)
-        note(*[f"### A {shape['num_hidden_layers']}-layer, {shape['hidden_size']}-wide encoder", "",
-                  "The same corpus, batch 64, one epoch, bf16; DDP (one process: the plain model) against FSDP2.", "",
-                  f"| strategy | parameters | tokens/s | peak {memory} (MB) |", "|---|---|---|---|"])
+        note(f"### A {shape['num_hidden_layers']}-layer, {shape['hidden_size']}-wide encoder", "",
+             "The same corpus, batch 64, one epoch, bf16; DDP (one process: the plain model) against FSDP2.", "",
+             f"| strategy | parameters | tokens/s | peak {memory} (MB) |", "|---|---|---|---|")
         for strategy in ("ddp", "fsdp") if "large" in parts else ():
             try:
                 r = pretrain(tmp / "corpus", tmp, big, strategy, nproc=1, threads=os.cpu_count() or 1, max_len=128,
@@ -212,7 +212,7 @@ def run(quick: bool = False, repeats: int = 1, dataset: str | None = None, dry_r
                 note(_row([strategy, "-", "-", f"**failed**: {str(e)[-300:]}".replace("\n", " ")]))
                 failures.append(f"big {strategy}: {e}")
         note("")
-    note(*["Every run passed its check." if not failures else "Failed: " + "; ".join(f[:400] for f in failures), ""])
+    note("Every run passed its check." if not failures else "Failed: " + "; ".join(f[:400] for f in failures), "")
     return "\n".join(lines)
 
 
