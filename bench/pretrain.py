@@ -255,7 +255,7 @@ def run_gain(quick: bool, repeats: int) -> str:
     from training.job import PretrainJob as Job
     from training.mlm import encoder_config
 
-    pre_epochs, fine_epochs = (1, 1) if common.SMOKE else (4, 4)
+    pre_epochs, fine_epochs = (1, 1) if common.SMOKE else (6, 4)
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         data = DataConfig(max_samples=300 if common.SMOKE else None)
