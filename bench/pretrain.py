@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
