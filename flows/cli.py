@@ -43,7 +43,8 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
         if student not in MODEL_FAMILIES:
             raise ConfigError(f"distill.student.name: unknown model family {student!r}; choose one of {', '.join(MODEL_FAMILIES)}")
         taught = preset(args.preset, student)
-        flags |= {"distill.student": taught.model.model_dump(), "distill.train": taught.train.model_dump()}
+        flags |= {f"distill.{section}.{key}": value for section, part in (("student", taught.model), ("train", taught.train))
+                  for key, value in part.model_dump().items()}  # field by field: a whole section is not a setting
     if args.command == "distill":
         if args.nproc is not None:
             flags["distill.train.nproc"] = args.nproc

@@ -76,3 +76,18 @@ def test_the_temporary_prefect_server_gets_its_start_time_before_prefect_reads_i
     done = subprocess.run([sys.executable, "-c", PREFECT_IMPORT_PROBE, *args], cwd=tmp_path, capture_output=True, text=True,
                           env=env | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}, timeout=120)
     assert "prefect imported with ['120']" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("command", ["run", "distill"])
+def test_student_flag_gives_the_family_with_its_preset_defaults(command):
+    from flows.cli import build_config, build_parser
+    from training.presets import preset
+
+    parser, _ = build_parser()
+    args = parser.parse_args([command, "--preset", "tiny", "--teacher" if command == "distill" else "--distill", "baseline",
+                              "--student", "bilstm", "--set", "distill.student.dropout=0.2"])
+    config = build_config(args)
+    taught = preset("tiny", "bilstm")
+    assert config.distill.student == taught.model.model_copy(update={"dropout": 0.2})
+    assert config.distill.train == taught.train
+    assert config.model.name == preset("tiny").model.name  # the run's own model keeps the preset's family
