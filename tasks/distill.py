@@ -166,17 +166,17 @@ def train_student(config: PipelineConfig, prepared: dict, parent: dict, teacher_
 
 def distil(config: PipelineConfig, prepared: dict, parent: dict, trained_checkpoint: str | None,
            cpus: int | None = None, gpus: list[int] | None = None) -> tuple[dict, dict, dict]:
-    """The student's data (``prepared``, or with ``distill.augment_copies`` a folder of its own with augmented copies in
-    train), the teachers' probabilities of it, and the distilled student trained on them: what the pipeline and a
+    """The student's data (``prepared``, or with ``distill.augment_copies``, ``span_copies`` or ``unlabelled`` a folder
+    of its own with those texts in train), the teachers' probabilities of it, and the distilled student trained on them: what the pipeline and a
     sweep trial share."""
     from tasks.preprocess import preprocess
     from training.models import tokenizer_source
 
     student_data, d = prepared, config.distill
-    if d.augment_copies or d.unlabelled:  # the transfer set: the same splits, augmented copies or unlabelled texts in train
+    if d.augment_copies or d.unlabelled or d.span_copies:  # the transfer set: the same splits, more texts in train
         augment = config.augment.model_copy(update={"enabled": True, "n_aug": d.augment_copies}) if d.augment_copies else config.augment
         student_data = preprocess(config.data, config.preprocess, augment, parent, tokenizer_source(config.model),
-                                  stage="preprocess_transfer", unlabelled=d.unlabelled)
+                                  stage="preprocess_transfer", unlabelled=d.unlabelled, spans=d.span_copies)
     teacher = teachers(config, student_data, parent, trained_checkpoint, prepared)
     student = train_student.with_options(timeout_seconds=hard_timeout(config.distill.train.timeout_minutes),
                                          retries=config.distill.train.task_retries, retry_delay_seconds=5)(

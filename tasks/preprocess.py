@@ -36,7 +36,7 @@ def code_version() -> str:
 
 
 def preprocess_key(data: DataConfig, pre: PreprocessConfig, augment: AugmentConfig, tokenizer: str | None = None,
-                   unlabelled: str | None = None) -> str:
+                   unlabelled: str | None = None, spans: int = 0) -> str:
     """The content address of a prepared folder: every input that can change its bytes (a pretrained model's
     tokenizer by the digest of its files: two tokenizers never share a folder)."""
     payload = json.dumps(
@@ -51,6 +51,7 @@ def preprocess_key(data: DataConfig, pre: PreprocessConfig, augment: AugmentConf
             "code": code_version(),
             "tokenizer": tokenizer_key(tokenizer) if tokenizer else None,
             "unlabelled": file_digest(unlabelled) if unlabelled else None,
+            **({"spans": spans} if spans else {}),
         },
         sort_keys=True,
     )
@@ -73,22 +74,24 @@ def _cache_policy() -> CacheKeyFnPolicy:
 
 @task(name="prepare-data", persist_result=True)
 def prepare_data(data: DataConfig, pre: PreprocessConfig, augment: AugmentConfig, out_dir: str,
-                 tokenizer: str | None = None, unlabelled: str | None = None) -> dict:
-    manifest = prepare_dataset(data, pre, out_dir, progress=True, augment=augment, tokenizer=tokenizer, unlabelled=unlabelled)
+                 tokenizer: str | None = None, unlabelled: str | None = None, spans: int = 0) -> dict:
+    manifest = prepare_dataset(data, pre, out_dir, progress=True, augment=augment, tokenizer=tokenizer,
+                               unlabelled=unlabelled, spans=spans)
     return {"path": out_dir, "manifest": manifest}
 
 
 @task(name="preprocess")
 def preprocess(data: DataConfig, pre: PreprocessConfig, augment: AugmentConfig, parent: dict,
-               tokenizer: str | None = None, stage: str = "preprocess", unlabelled: str | None = None) -> dict:
-    """Prepare (or reuse) the dataset folder and record it in a nested ``stage`` run; ``tokenizer``, ``unlabelled``:
-    see ``training.data.prepare.prepare_dataset``."""
+               tokenizer: str | None = None, stage: str = "preprocess", unlabelled: str | None = None,
+               spans: int = 0) -> dict:
+    """Prepare (or reuse) the dataset folder and record it in a nested ``stage`` run; ``tokenizer``, ``unlabelled``,
+    ``spans``: see ``training.data.prepare.prepare_dataset``."""
     logger = get_run_logger()
-    out_dir = work_root() / "prepared" / preprocess_key(data, pre, augment, tokenizer, unlabelled)
+    out_dir = work_root() / "prepared" / preprocess_key(data, pre, augment, tokenizer, unlabelled, spans)
     fresh = not (out_dir / MANIFEST).is_file()  # the folder is gone: the cache entry is stale
     with stage_run(parent, stage) as run:
         state = prepare_data.with_options(refresh_cache=fresh, cache_policy=_cache_policy())(
-            data, pre, augment, str(out_dir), tokenizer, unlabelled, return_state=True)
+            data, pre, augment, str(out_dir), tokenizer, unlabelled, spans, return_state=True)
         prepared = state.result()
         manifest = prepared["manifest"]
         cached = state.name == "Cached"

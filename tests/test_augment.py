@@ -3,7 +3,7 @@ from collections import Counter
 
 import pytest
 
-from training.text.augment import NEGATIONS, augment_texts, augment_tokens, load_builtin_synonyms, load_synonyms
+from training.text.augment import NEGATIONS, augment_texts, augment_tokens, load_builtin_synonyms, load_synonyms, span_samples
 
 SYNONYMS = {
     "好": ["棒", "不错"],
@@ -152,3 +152,22 @@ def test_builtin_table_loads_and_has_no_negations():
     assert {"棒", "不错"} <= set(table["好"]) and "实惠" in table["便宜"]
     assert not NEGATIONS & set(table)
     assert all(word not in others for word, others in table.items())
+
+
+def test_span_samples_are_runs_of_each_text_new_and_seeded():
+    texts = [list("这本书的内容很好但是印刷太差了"), ["很", "好"], list("物流很快包装也结实")]
+    spans = span_samples(texts, 6, seed=3)
+    assert spans == span_samples(texts, 6, seed=3) and spans != span_samples(texts, 6, seed=4)
+    joined = ["".join(t) for t in texts]
+    for span in spans:
+        s = "".join(span)
+        # a run of consecutive tokens of a text of 3 or more tokens, never a whole text, at least two characters
+        assert any(s in j for j in joined[::2]) and s not in joined and len(s) >= 2
+        assert 1 <= len(span) <= 12
+    assert len({tuple(s) for s in spans}) == len(spans) and len(spans) > 6  # no repeats; both texts gave some
+    assert not any("".join(s) in "很好" for s in spans)  # a two-token text gives none
+    lengths = [len(s) for s in spans]
+    assert min(lengths) <= 5 and max(lengths) > 5  # phrases and clauses
+    assert span_samples(texts, 0, seed=3) == []
+    with pytest.raises(ValueError, match="n_spans"):
+        span_samples(texts, -1, seed=3)

@@ -213,7 +213,7 @@ def test_a_tokenizer_teacher_teaches_a_jieba_word_student(tiny_bert, reviews, tm
                    "--set", "train.patience=12", "--set", "train.schedule=constant", "--set", "prune.amount=0",
                    "--set", "preprocess.max_len=24", "--set", "select.candidates=neural", "--set", "distill.student.input=word",
                    "--set", "distill.train.epochs=8", "--set", "distill.train.patience=8", "--set", "distill.alpha=0.9",
-                   "--set", "distill.augment_copies=1",
+                   "--set", "distill.augment_copies=1", "--set", "distill.span_copies=1",
                    "--json-out", str(out)], tmp_path, env=env, timeout=1200)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     summary = json.loads(out.read_text())
@@ -227,13 +227,15 @@ def test_a_tokenizer_teacher_teaches_a_jieba_word_student(tiny_bert, reviews, tm
         client = mlflow.MlflowClient()
         distilled_eval = client.get_run(summary["stage_runs"]["distilled"])
         checkpoint = distilled_eval.data.tags["checkpoint"]
-        # the transfer set: a folder of its own (augmented copies in train, the same val and test), under the distill run
+        # the transfer set: a folder of its own (augmented copies and parts in train, the same val and test), under the distill run
         distill_id = summary["stage_runs"]["distill"]
         (student_data,) = client.search_runs([distilled_eval.info.experiment_id],
                                              f"tags.mlflow.parentRunId = '{distill_id}' and tags.`zhflow.stage` = 'preprocess_transfer'")
         assert student_data.data.tags["prepared_dir"] != summary["prepared_data"]
         n = json.loads((Path(summary["prepared_data"]) / "manifest.json").read_text())["splits"]["train"]["n"]
-        assert n + 3 < student_data.data.metrics["train_texts"] <= 2 * n + 3  # a copy identical to its text is not added
+        spans = student_data.data.metrics["count_spans_added"]  # at most one part of each train text
+        assert n // 2 < spans <= n
+        assert n + 3 + spans < student_data.data.metrics["train_texts"] <= 2 * n + 3 + spans  # a copy identical to its text is not added
         assert student_data.data.metrics["count_unlabelled_added"] == 3
         assert torch.load(checkpoint, weights_only=True)["model_config"]["name"] == "textcnn"
         # registered as it would be if it wins: a pyfunc of the student, with jieba (it reads words), no transformers
@@ -307,3 +309,23 @@ def test_unlabelled_texts_join_the_transfer_set_without_any_text_of_the_labelled
     file.write_text(test_text + "\n", encoding="utf-8")
     with pytest.raises(Exception, match="none of its 1 texts is left"):
         prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "none", unlabelled=str(file))
+
+
+def test_word_spans_of_train_texts_join_the_transfer_set_unlabelled(reviews, tmp_path):
+    cfg = apply_overrides(tiny(), [f"data.dataset={reviews}", "data.max_samples=null"])
+    plain = prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "plain")
+    manifest = prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "spans", spans=2)
+    added = manifest["counts"]["spans_added"]
+    n_train = plain["splits"]["train"]["n"]
+    labels = np.load(tmp_path / "spans" / "train.labels.npy")
+    assert added > n_train // 2 and len(labels) == n_train + added and (labels[n_train:] == -1).all()
+    assert manifest["splits"]["train"]["per_label"] == plain["splits"]["train"]["per_label"]
+    for split in ("val", "test"):  # the same splits, byte for byte
+        assert (tmp_path / "spans" / f"{split}.jsonl").read_bytes() == (tmp_path / "plain" / f"{split}.jsonl").read_bytes()
+    train = transfer_texts(tmp_path / "plain")["clean"].str.replace(" ", "").tolist()  # the parts are cut from every word
+    spans = transfer_texts(tmp_path / "spans")["text"].iloc[n_train:].tolist()
+    held_out = [t for s in ("val", "test") for t in transfer_texts(tmp_path / "plain", s)["clean"].str.replace(" ", "")]
+    for span in spans[:200]:  # a part of a train text, and no whole text of any split
+        assert any(span in t for t in train) and span not in train and span not in held_out
+    probs, _, _ = baseline_teacher(tmp_path / "spans", labels, 2, folds=3)  # the spans' probabilities come from the full fit
+    assert probs.shape == (len(labels), 2) and np.allclose(probs.sum(1), 1, atol=1e-5)

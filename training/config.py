@@ -402,6 +402,12 @@ class DistillConfig(_Section):
                     "student learns from, with the teacher's probabilities (and their original's label); 0: the train "
                     "split alone. The run's own model is trained without them.",
     )
+    span_copies: int = Field(
+        0, ge=0, le=32, title="Word spans in the transfer set",
+        description="Runs of consecutive words cut from each train text (half 1 to 5 words, half a third to four "
+                    "fifths of the text) added to what the student learns from, with the teacher's probabilities only "
+                    "(n-gram sampling, Tang et al. 2019): the teacher says what each phrase and clause means. 0: none.",
+    )
     unlabelled: Optional[str] = Field(
         None, min_length=1, title="Unlabelled texts",
         description="A text file, one text per line (UTF-8 or GB18030), added to the student's transfer set with the "

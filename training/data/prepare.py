@@ -182,12 +182,15 @@ def _length_percentiles(offsets: np.ndarray) -> dict[str, float]:
 def prepare_dataset(
     data: DataConfig, pre: PreprocessConfig, out_dir: str | os.PathLike, progress: bool = False,
     augment: AugmentConfig | None = None, tokenizer: str | None = None, unlabelled: str | None = None,
+    spans: int = 0,
 ) -> dict:
     """Run the whole preprocessing stage into ``out_dir`` (written atomically) and return the manifest.
     ``tokenizer``: a pretrained model's folder or hub id; its token ids of the cleaned texts are stored too.
     ``unlabelled``: a text file (one text per line) whose texts join the train split with label -1 (a distillation
     transfer set: a teacher labels them); any text also in the labelled data is left out, so none of a validation or
-    test text reaches training."""
+    test text reaches training.
+    ``spans``: that many runs of consecutive words of each train text join the train split with label -1 (see
+    ``training.text.augment.span_samples``; a distillation transfer set, as ``unlabelled``)."""
     started = time.perf_counter()
     out_dir = Path(out_dir)
     augment = augment or AugmentConfig()
@@ -246,6 +249,20 @@ def prepare_dataset(
         label_lists["train"] += new_labels
         rows["train"] += [{"text": None, "clean": " ".join(t), "label": l, "augmented": True} for t, l in zip(new_tokens, new_labels)]
         counts["augmented_added"] = len(new_tokens)
+
+    if spans:  # parts of the train texts only, as the augmented copies: no part of a test text reaches training
+        from dataclasses import replace
+
+        from training.text.augment import span_samples
+
+        words = replace(segmenter, stopwords="none", stopwords_file=None).segment(  # every word: the parts read as text
+            [r["clean"] for r in rows["train"][:len(split_idx["train"])]], pre.num_workers, progress=progress)
+        labelled = set(texts)
+        new_texts = [t for t in ("".join(span) for span in span_samples(words, spans, augment.seed)) if t not in labelled]
+        token_lists["train"] += segmenter.segment(new_texts, pre.num_workers, progress=progress)
+        label_lists["train"] += [None] * len(new_texts)
+        rows["train"] += [{"text": t, "clean": t, "label": None, "unlabelled": True} for t in new_texts]
+        counts["spans_added"] = len(new_texts)
 
     if unlabelled:
         extra = _unlabelled(Path(unlabelled), pre, set(texts), segmenter, progress)
@@ -314,7 +331,7 @@ def prepare_dataset(
                 "char_vocab_size": len(char_vocab),
                 "specials": {"pad": PAD, "unk": UNK},
                 "tokenizer": tokenized,
-                "config": {"data": data.model_dump(), "preprocess": pre.model_dump(), "augment": augment.model_dump()},
+                "config": {"data": data.model_dump(), "preprocess": pre.model_dump(), "augment": augment.model_dump(), "spans": spans},
                 "files": {"user_dict": file_digest(pre.user_dict), "stopwords_file": file_digest(pre.stopwords_file),
                           "synonyms": file_digest(augment.synonyms) if augment.enabled else None,
                           "unlabelled": file_digest(unlabelled) if unlabelled else None},

@@ -166,3 +166,32 @@ def augment_texts(
                 new_tokens.append(copy)
                 new_labels.append(label)
     return new_tokens, new_labels
+
+
+def span_samples(token_lists: Sequence[list[str]], n_spans: int, seed: int) -> list[list[str]]:
+    """Up to ``n_spans`` runs of consecutive tokens of each text, for a distillation transfer set (the n-gram sampling
+    of Tang et al., 2019): half of them 1 to 5 tokens long, what a phrase says; half a third to four fifths of the
+    text, what a clause says. A teacher labels them; they have no label of their own (a part of a review can say the
+    opposite of the whole). A run equal to a text of ``token_lists`` or to an earlier run is dropped; a text of fewer
+    than 3 tokens gives none."""
+    if n_spans < 0:
+        raise ValueError(f"n_spans must be >= 0, got {n_spans}")
+    rng = random.Random(seed)
+    seen = {tuple(tokens) for tokens in token_lists}
+    out: list[list[str]] = []
+    for tokens in token_lists:
+        n = len(tokens)
+        if n < 3:
+            continue
+        for _ in range(n_spans):
+            if rng.random() < 0.5:
+                length = rng.randint(1, min(5, n - 1))
+            else:
+                length = rng.randint(max(2, n // 3), max(2, n * 4 // 5))
+            start = rng.randint(0, n - length)
+            span = tokens[start:start + length]
+            key = tuple(span)
+            if key not in seen and len("".join(span)) >= 2:
+                seen.add(key)
+                out.append(span)
+    return out
