@@ -137,7 +137,8 @@ def run_pretrained(quick: bool, repeats: int) -> str:
     # teacher of 0.8765 with the baseline and a student of 0.8592, 2026-12-03). The transfer set: 8 augmented copies
     # and 8 word-run parts of each train text (about 15 times the labelled texts; 3 copies alone gave 0.8612, 8 copies
     # 0.8608, 8 copies and 8 parts 0.8664); the student at lr 0.001 with 2,097,152 n-gram buckets (the default 262,144
-    # hold about 620,000 distinct char 2/3-grams of the train split; 4 parts with and without: 0.8648, 0.8581)
+    # hold about 620,000 distinct char 2/3-grams of the train split; 4 parts with and without: 0.8648, 0.8581). All
+    # single runs; everything together gave 0.8624 (2026-12-06)
     base = {"prune.amount": 0, "select.candidates": "neural", "train.epochs": 3, "preprocess.max_len": 128,
             "distill.augment_copies": 8, "distill.span_copies": 8, "distill.train.lr": 0.001,
             "distill.student.buckets": 2_097_152}

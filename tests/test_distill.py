@@ -227,13 +227,13 @@ def test_a_tokenizer_teacher_teaches_a_jieba_word_student(tiny_bert, reviews, tm
         client = mlflow.MlflowClient()
         distilled_eval = client.get_run(summary["stage_runs"]["distilled"])
         checkpoint = distilled_eval.data.tags["checkpoint"]
-        # the transfer set: a folder of its own (augmented copies and parts in train, the same val and test), under the distill run
         distill_id = summary["stage_runs"]["distill"]
         # the trained teacher labels the transfer set in the precision its registration would choose (bf16 only where
         # the CPU computes it and it agrees with fp32), not always in fp32
         (teacher,) = json.loads(client.get_run(distill_id).data.tags["teachers"])
         assert teacher["precision"] in ("fp32", "bf16")
         assert teacher["precision"] == "fp32" or teacher["serving_bf16_agreement"] >= 0.995
+        # the transfer set: a folder of its own (augmented copies and parts in train, the same val and test), under the distill run
         (student_data,) = client.search_runs([distilled_eval.info.experiment_id],
                                              f"tags.mlflow.parentRunId = '{distill_id}' and tags.`zhflow.stage` = 'preprocess_transfer'")
         assert student_data.data.tags["prepared_dir"] != summary["prepared_data"]
