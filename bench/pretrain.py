@@ -259,7 +259,7 @@ def run_gain(quick: bool, repeats: int) -> str:
     from training.job import PretrainJob as Job
     from training.mlm import encoder_config
 
-    pre_epochs, fine_epochs = (1, 1) if common.SMOKE else (10, 4)
+    pre_epochs, fine_epochs = (1, 1) if common.SMOKE else (20, 4)
     seeds = (13,) if common.SMOKE else (13, 14, 15)
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
