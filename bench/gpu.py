@@ -29,7 +29,7 @@ import torch
 from bench.pretrain import BIG, SMALL, _config_file, _worker_error, prepare, pretrain, write_lines
 from bench.pretrained import build_encoder
 from training.data.prepare import prepare_dataset
-from training.distributed import TORCHRUN_ENV
+from training.distributed import torchrun_env
 from training.events import read_result
 from training.job import WorkerJob
 from training.presets import preset
@@ -57,7 +57,7 @@ def worker(prepared: Path, cfg, tmp: Path, restarts: int = 0, env: dict | None =
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "--max-restarts",
            str(restarts), "-m", "training.worker", "--config", str(out / "job.json")]
     started = time.perf_counter()
-    run = subprocess.run(cmd, env={k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"} | TORCHRUN_ENV | (env or {}),
+    run = subprocess.run(cmd, env={k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"} | torchrun_env(1) | (env or {}),
                          capture_output=True, text=True)
     if run.returncode:
         raise RuntimeError(f"worker failed ({run.returncode}): {run.stdout[-2000:]}{_worker_error(run.stderr)}")

@@ -20,7 +20,7 @@ from pathlib import Path
 from bench import common
 from bench.common import quick_size, verdict
 from training.config import CorpusConfig, EncoderConfig, TrainConfig
-from training.distributed import TORCHRUN_ENV
+from training.distributed import torchrun_env
 from training.events import EVENTS_FILE, EventReader
 from training.job import PretrainJob
 from training.mlm import MMAP_THRESHOLD
@@ -68,7 +68,7 @@ def pretrain(corpus: Path, tmp: Path, size: str, strategy: str = "ddp", nproc: i
                       model=EncoderConfig(size=size, max_len=max_len, masking=masking), train=TrainConfig(**settings))
     (out / "job.json").write_text(job.model_dump_json())
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_RUN_ID", "MALLOC_MMAP_THRESHOLD_")} | {"OMP_NUM_THREADS": str(threads)} | (env or {})
-    env |= TORCHRUN_ENV
+    env |= torchrun_env(1)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "--max-restarts", str(restarts), "-m", "training.mlm", "--config", str(out / "job.json")]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -262,6 +262,8 @@ def pretrain_command(parser: argparse.ArgumentParser, args: argparse.Namespace) 
           f"{summary['strategy']}: {summary['epochs_run']} epoch(s), {summary['steps']} steps, held-out perplexity "
           f"{summary['perplexity']:.2f}, {summary['tokens_per_second']:.0f} tokens/s"
           + (f", {summary['restarts']} restart(s)" if summary["restarts"] else ""))
+    for i, cause in enumerate(summary.get("restart_causes") or [], 1):
+        print(f"  worker group failure {i}: {cause}")
     print(f"encoder: {summary['output']}  (fine-tune it: zhflow run --pretrained {summary['output']})")
     print(f"MLflow UI: {_mlflow_ui()}")
     return 0

@@ -69,7 +69,7 @@ def pretrain(config: PretrainConfig, experiment: ExperimentName = "zhflow-pretra
             "pretrain_run_id": result["run_id"], "corpus_dir": corpus["path"], "corpus": corpus["manifest"]["counts"],
             "train_tokens": corpus["manifest"]["train_tokens"], "vocab_size": corpus["manifest"]["tokenizer"]["vocab_size"],
             "output": result["export_dir"], "resumed_at_step": result["resumed_at_step"],
-            "restarts": result["restarts"], "epochs_run": result["epochs_run"], "steps": result["steps"],
+            "restarts": result["restarts"], "restart_causes": result["restart_causes"], "epochs_run": result["epochs_run"], "steps": result["steps"],
             "strategy": result["strategy"], "world_size": result["world_size"], "stop_reason": result["stop_reason"],
             "heldout_loss": result["heldout_loss"], "perplexity": result["heldout_perplexity"],
             "tokens_per_second": result["tokens_per_second"], "peak_memory_mb": result["peak_memory_mb"],

@@ -31,7 +31,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from tasks.recover import OWNER_ENV, owner
 from training.config import TrainConfig
-from training.distributed import TORCHRUN_ENV
+from training.distributed import torchrun_env
 from training.events import EVENTS_FILE, EventReader
 from training.job import PretrainJob, WorkerJob
 from training.models import family_of
@@ -39,6 +39,7 @@ from training.models.base import Family
 
 POLL_SECONDS = 0.2  # how often the events file is read while the workers run
 _ERROR_LINE = re.compile(r"^\s*(\w+\.)*\w*(Error|Exception|Interrupt)\b.*")
+_FAILED_LINE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")  # torchrun, as a worker group fails
 
 
 class TrainingFailed(RuntimeError):
@@ -93,6 +94,21 @@ def _root_cause(error_file: Path) -> str | None:
 def _error_summary(tail: list[str]) -> str:
     errors = [line.strip() for line in tail if _ERROR_LINE.match(line)]
     return errors[-1] if errors else (tail[-1].strip() if tail else "no output")
+
+
+def _failure(line: str, before: list[str]) -> str | None:
+    """What a line of torchrun's output says of a failed worker group, with the first error the workers printed
+    ``before`` it (the failing rank prints first; its peers' errors follow): None for any other line."""
+    match = _FAILED_LINE.search(line)
+    if not match:
+        return None
+    code, local_rank = int(match.group(1)), match.group(2)
+    try:
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    except ValueError:
+        how = f"exited with code {code}"
+    errors = [b.strip() for b in before if _ERROR_LINE.match(b)]
+    return f"local rank {local_rank} {how}" + (f": {errors[0]}" if errors else "")
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -150,7 +166,7 @@ def launch_training(job: WorkerJob | PretrainJob, on_epoch: Callable[[int, dict]
     cmd = torchrun_command(job_file, nproc, job.train,
                            rdzv_id=job.mlflow_run_id or out_dir.name, module=module)
     env = dict(os.environ, PYTHONUNBUFFERED="1", MLFLOW_TRACKING_URI=mlflow.get_tracking_uri(),
-               TORCHELASTIC_ERROR_FILE=str(error_file), **TORCHRUN_ENV, **{OWNER_ENV: owner()})  # found again if this process is killed
+               TORCHELASTIC_ERROR_FILE=str(error_file), **torchrun_env(job.train.nnodes), **{OWNER_ENV: owner()})  # found again if this process is killed
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     if available_devices()[0] == "cpu":  # the processes' share of the cores; torch reads it as it starts
@@ -162,7 +178,8 @@ def launch_training(job: WorkerJob | PretrainJob, on_epoch: Callable[[int, dict]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                             env=env, start_new_session=True)
     # the output for people goes to the Prefect log as it comes; what the launcher acts on comes as events
-    echo = threading.Thread(target=_echo, args=(proc, logger, tail), daemon=True, name=f"{job.stage}-output")
+    failures: list[str] = []  # each time the worker group failed, as torchrun said and the workers printed it
+    echo = threading.Thread(target=_echo, args=(proc, logger, tail, failures), daemon=True, name=f"{job.stage}-output")
     echo.start()
     history: dict[int, dict] = {}  # by epoch: an elastic restart repeats the epochs after its checkpoint
     result, stopped_at = None, None
@@ -199,12 +216,31 @@ def launch_training(job: WorkerJob | PretrainJob, on_epoch: Callable[[int, dict]
         raise TrainingFailed(f"{job.stage}: torchrun exited with code {rc}: {cause}\n" + "\n".join(list(tail)[-30:]))
     if result is None:
         raise TrainingFailed(f"{job.stage}: the worker exited cleanly but reported no result in {events_file}")
-    return result
+    return {**result, "restart_causes": failures}
 
 
-def _echo(proc: subprocess.Popen, logger, tail: collections.deque) -> None:
+def restart_tags(result: dict) -> dict[str, str]:
+    """The MLflow tags of a worker's restarts: how many, and why (each failure of the worker group, one per line)."""
+    tags = {"restarts": str(result["restarts"])}
+    if result.get("restart_causes"):
+        tags["restart_causes"] = "\n".join(result["restart_causes"])[:5000]
+    return tags
+
+
+def _echo(proc: subprocess.Popen, logger, tail: collections.deque, failures: list[str]) -> None:
+    """Each line of the workers' and torchrun's output into the log; each failure of the worker group (torchrun
+    restarts it while restarts are left) into ``failures``, with a warning."""
     assert proc.stdout is not None
+    since: list[str] = []  # the lines since the last failure
     for line in proc.stdout:
         line = line.rstrip()
         tail.append(line)
         logger.info(line)
+        failure = _failure(line, since)
+        if failure is None:
+            since.append(line)
+            del since[:-500]
+            continue
+        failures.append(failure)
+        since.clear()
+        logger.warning("worker group failed (%d): %s", len(failures), failure)

@@ -18,7 +18,7 @@ import training.corpus
 from training.config import CorpusConfig, EncoderConfig, PretrainConfig, flatten
 from training.corpus import corpus_digest, corpus_sources, prepare_corpus
 from training.job import PretrainJob
-from tasks.launch import launch_training, resolve_nproc
+from tasks.launch import launch_training, resolve_nproc, restart_tags
 from tasks.preprocess import _cache_policy, code_version
 from tasks.tracking import stage_run, work_root
 
@@ -107,7 +107,7 @@ def pretrain_stage(config: PretrainConfig, corpus: dict, parent: dict) -> dict:
                           deadline=deadline)
         mlflow.log_params(flatten(config.model, "model.") | flatten(train, "train.") | {"nproc_resolved": nproc})
         result = launch_training(job, module="training.mlm")
-        mlflow.set_tags({"restarts": str(result["restarts"]), "stop_reason": result["stop_reason"],
+        mlflow.set_tags({**restart_tags(result), "stop_reason": result["stop_reason"],
                          "strategy": result["strategy"], "export_dir": result["export_dir"],
                          "torchrun": f"nnodes={train.nnodes} nproc_per_node={nproc}"})
         mlflow.log_metrics({"parameters": result["parameters"]})

@@ -11,7 +11,7 @@ from prefect import task
 from training.config import PipelineConfig, TrainConfig, flatten
 from training.job import WorkerJob
 from training.models import family_of
-from tasks.launch import launch_training, resolve_nproc
+from tasks.launch import launch_training, resolve_nproc, restart_tags
 from tasks.tracking import stage_run
 
 
@@ -35,7 +35,7 @@ def launch_worker(stage: str, config: PipelineConfig, prepared: dict, run_id: st
     mlflow.log_artifact(result["best_checkpoint"] + ".json", "checkpoint")
     if result.get("export_dir"):  # the family's own layout (save_pretrained), to load outside zhflow
         mlflow.log_artifacts(result["export_dir"], "export")
-    mlflow.set_tags({"restarts": str(result["restarts"]), "stopped_early": str(result["stopped_early"]).lower(),
+    mlflow.set_tags({**restart_tags(result), "stopped_early": str(result["stopped_early"]).lower(),
                      "stop_reason": result["stop_reason"], "still_improving": str(result["still_improving"]).lower(),
                      "torchrun": "nnodes={} nproc_per_node={}".format(train_cfg.nnodes, nproc)})
     return {**result, "run_id": run_id}

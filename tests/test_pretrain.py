@@ -336,7 +336,8 @@ def test_pretraining_from_scratch_with_two_processes_is_tracked_and_loads_with_f
 
     cwd, summary = pretrained_ddp
     assert summary["world_size"] == 2 and summary["strategy"] == "ddp" and summary["epochs_run"] == 4
-    assert summary["corpus"]["duplicates"] == 100 and summary["restarts"] == 0
+    assert summary["corpus"]["duplicates"] == 100
+    assert summary["restarts"] == 0, summary["restart_causes"]
     import math
 
     assert summary["perplexity"] < 0.5 * summary["vocab_size"]  # a model that learned nothing: about the vocabulary's size
@@ -379,12 +380,16 @@ def test_fsdp_continues_pretraining_resumes_a_killed_rank_and_the_result_fine_tu
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     summary = json.loads((cwd / "fsdp.json").read_text())
     assert (cwd / "killed").exists() and summary["restarts"] == 1 and summary["strategy"] == "fsdp"
+    # why it restarted, as torchrun saw it: in the summary, the printed report and the run's tags
+    assert [c.split(":")[0] for c in summary["restart_causes"]] == ["local rank 1 was killed by SIGKILL"], summary["restart_causes"]
+    assert "worker group failure 1: local rank 1 was killed by SIGKILL" in out.stdout
     assert summary["resumed_at_step"] == 4  # from the checkpoint after step 4 (one after every step here)
     client = MlflowClient(f"sqlite:///{cwd / 'mlflow.db'}")
     steps = [m.step for m in client.get_metric_history(summary["pretrain_run_id"], "mlm_loss")]
     assert steps == sorted(set(steps)) and steps  # every step once
     assert summary["perplexity"] < first["perplexity"] * 1.5  # continued, not restarted from random weights
-    assert client.get_run(summary["pretrain_run_id"]).data.tags["restarts"] == "1"
+    tags = client.get_run(summary["pretrain_run_id"]).data.tags
+    assert tags["restarts"] == "1" and tags["restart_causes"] == summary["restart_causes"][0]
     data = write_csv(cwd / "labelled.csv", sentiment_rows(60))
     run = _zhflow(["run", "--preset", "tiny", "--pretrained", summary["output"], "--dataset", str(data), "--nproc", "1",
                    "--set", "data.max_samples=null", "--set", "train.epochs=10", "--set", "train.patience=10", "--set", "train.lr=2e-3",

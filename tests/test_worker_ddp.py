@@ -12,7 +12,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from training.checkpoint import load_checkpoint
-from training.distributed import TORCHRUN_ENV
+from training.distributed import torchrun_env
 from training.job import WorkerJob
 from training.presets import preset, tiny
 from training.data.prepare import prepare_dataset
@@ -43,8 +43,8 @@ def _cmd(job: WorkerJob, tmp_path, nproc=2, extra=("--standalone",)) -> list[str
             "--max-restarts", str(job.train.max_restarts), "-m", "training.worker", "--config", str(job_file)]
 
 
-def _env(**extra) -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", **TORCHRUN_ENV, **extra)  # torchrun as the launcher starts it
+def _env(nnodes: int = 1, **extra) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", **torchrun_env(nnodes), **extra)  # torchrun as the launcher starts it
 
 
 def _start(cmd, env) -> subprocess.Popen:
@@ -144,7 +144,7 @@ def test_two_nodes_meet_at_a_c10d_rendezvous_and_a_node_restart_resumes_both(tmp
     # to the rendezvous and restarts its own; both resume from epoch 1's checkpoint in a new round
     job = _job(tmp_path, prepared, epochs=2, max_restarts=2)
     endpoint = f"127.0.0.1:{_free_port()}"
-    env = _env(ZHFLOW_TEST_KILL_AT_STEP="4", ZHFLOW_TEST_KILL_ONCE_FILE=str(tmp_path / "killed"))
+    env = _env(nnodes=2, ZHFLOW_TEST_KILL_AT_STEP="4", ZHFLOW_TEST_KILL_ONCE_FILE=str(tmp_path / "killed"))
     procs = []
     for node in (0, 1):
         extra = ("--nnodes", "2", "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,

@@ -15,10 +15,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# How torchrun is to be started (the launcher sets it, and every other node's torchrun needs it too).
-# By default the agents keep one TCPStore for every rendezvous round, so a restarted group finds the
-# dead group's keys there; torch's own opt-out gives each round a store of its own on a fresh port.
+# How torchrun is to be started on several nodes (node 0's launcher sets it, and every other node's torchrun needs
+# it too). By default the agents keep one TCPStore for every rendezvous round, so a restarted group finds the dead
+# group's keys there, and a node whose worker died waits on them; torch's own opt-out gives each round a store of its
+# own. It has a cost, which is why one node goes without it: node 0's agent picks a free port, closes it, and its
+# rank 0 binds it seconds later, once the worker has started; another process may take it meanwhile (rank 0 then
+# fails with "address already in use" and torchrun restarts the group). On one node the agent's own store, bound
+# by the agent, serves every round, and each round's keys go under a prefix of their own (``setup``).
 TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def torchrun_env(nnodes: int) -> dict[str, str]:
+    """The environment torchrun is started with for a job of ``nnodes`` machines."""
+    return dict(TORCHRUN_ENV) if nnodes > 1 else {}
 
 
 @dataclass(frozen=True)
@@ -53,25 +62,29 @@ def setup(group: bool = False) -> DistInfo:
         backend = "gloo"
     if world_size == 1 and group and not dist.is_initialized():
         if "MASTER_ADDR" in os.environ:  # under torchrun
-            dist.init_process_group(backend=backend)
+            _init_process_group(backend, rank, world_size)
         else:  # run plainly: a store of its own in this process
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     elif world_size > 1 and not dist.is_initialized():
-        timeout = timedelta(minutes=10)
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            # a torchrun started without TORCHRUN_ENV: one store for every attempt, so a per-attempt prefix.
-            # Right on one node; across nodes the restart counts differ after one node restarts.
-            if int(os.environ.get("GROUP_WORLD_SIZE", 1)) > 1 and rank == 0:
-                print(f"[train] warning: torchrun was started without {' '.join(f'{k}={v}' for k, v in TORCHRUN_ENV.items())}; "
-                      "a restart of one node will leave the others waiting", flush=True)
-            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                                   is_master=False, timeout=timeout)
-            store = dist.PrefixStore(f"zhflow/attempt-{attempt}", client)
-            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-        else:
-            dist.init_process_group(backend=backend, timeout=timeout)
+        _init_process_group(backend, rank, world_size)
     return DistInfo(rank, local_rank, world_size, device)
+
+
+def _init_process_group(backend: str, rank: int, world_size: int) -> None:
+    timeout = timedelta(minutes=10)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # a store of this round's own (TORCHRUN_ENV)
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    # the agent's store, shared by every round: this round's keys under a prefix of their own. Right on one node;
+    # across nodes the restart counts differ after one node restarts, hence TORCHRUN_ENV there.
+    if int(os.environ.get("GROUP_WORLD_SIZE", 1)) > 1 and rank == 0:
+        print(f"[train] warning: torchrun was started without {' '.join(f'{k}={v}' for k, v in TORCHRUN_ENV.items())}; "
+              "a restart of one node will leave the others waiting", flush=True)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                           is_master=False, timeout=timeout)
+    store = dist.PrefixStore(f"zhflow/attempt-{attempt}", client)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def group_restarts(info: DistInfo) -> int:
