@@ -225,6 +225,58 @@ def test_fasttext_weighs_features_by_the_train_splits_idf_and_old_checkpoints_we
     assert torch.allclose(again.encoders["word"](tokens), plain, atol=1e-6)
 
 
+def test_fasttext_starts_as_the_nearest_centroid_classifier_of_the_train_split():
+    """model.init=centroids (Family.fit): before any step, the logits are CENTROID_SCALE^2 times the cosine of each text's feature
+    vector (words and characters side by side, each over its own norm) and each class's mean vector; unlabelled texts
+    (label -1) take no part; dimensions beyond the classes keep zero tables."""
+    from training.models.fasttext import CENTROID_SCALE
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(name="fasttext", input="both", embed_dim=6, ngrams=2, buckets=31, dropout=0.0, init="centroids")
+    model = build_model(cfg, {"word": 9, "char": 12}, num_classes=3).eval()
+    words = torch.randint(1, 9, (12, 5)) * (torch.rand(12, 5) < 0.8)
+    chars = torch.randint(1, 12, (12, 7))
+    labels = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 0, -1, -1])
+    batches = [({"word": words[:7], "char": chars[:7]}, labels[:7]), ({"word": words[7:], "char": chars[7:]}, labels[7:])]
+    class Split(torch.utils.data.Dataset):  # what Family.fit reads of an EncodedSplit: (inputs, label) items, collate
+        def __len__(self):
+            return len(labels)
+
+        def __getitem__(self, i):
+            return {"word": words[i], "char": chars[i]}, labels[i]
+
+        @staticmethod
+        def collate(items):
+            return {k: torch.stack([x[k] for x, _ in items]) for k in ("word", "char")}, torch.stack([y for _, y in items])
+
+    from training.models import family_of
+
+    family_of(cfg).fit(model, cfg, Split())
+    zeros = build_model(cfg.model_copy(update={"init": "zeros"}), {"word": 9, "char": 12}, num_classes=3)
+    family_of(cfg).fit(zeros, cfg.model_copy(update={"init": "zeros"}), Split())
+    assert zeros.encoders["word"].embedding.weight.eq(0).all()  # the other start: tables at zero
+
+    def vectors(name, tokens):  # each text's weights summed over the input's rows (tokens, then n-gram buckets)
+        encoder = model.encoders[name]  # over the norm the encoder divides by: of every occurrence's weight
+        rows = encoder.embedding.num_embeddings
+        out = torch.zeros(len(tokens), rows + encoder.ngrams.num_embeddings, dtype=torch.float64)
+        norm = torch.zeros(len(tokens), 1, dtype=torch.float64)
+        for table, ids, weight in encoder.features(tokens):
+            out.scatter_add_(1, ids + (0 if table is encoder.embedding else rows), weight[ids].double())
+            norm += weight[ids].double().square().sum(1, keepdim=True)
+        return out / norm.sqrt()
+
+    x = torch.cat([vectors("word", words), vectors("char", chars)], 1)
+    means = torch.stack([x[labels == c].mean(0) for c in range(3)])
+    expected = CENTROID_SCALE ** 2 * x @ (means / means.norm(dim=1, keepdim=True)).T
+    with torch.no_grad():
+        logits = model({"word": words, "char": chars}).double()
+    assert torch.allclose(logits, expected, atol=1e-3), (logits - expected).abs().max()
+    assert (logits[:10].argmax(1) == labels[:10]).float().mean() > 0.5  # the train texts lie near their own class
+    for name in ("word", "char"):  # 3 classes in 6 dimensions: the last 3 stay zero
+        assert model.encoders[name].embedding.weight[:, 3:].eq(0).all() and model.encoders[name].ngrams.weight[:, 3:].eq(0).all()
+
+
 def test_fasttext_refuses_a_table_too_large():
     from training.config import ConfigError
     from training.models import check_model

@@ -153,6 +153,13 @@ class ModelConfig(_Section):
         description="fasttext: each feature weighs its inverse document frequency in the train split, as in TF-IDF "
                     "(off: every feature weighs 1).",
     )
+    init: Literal["zeros", "centroids"] = Field(
+        "zeros", title="Initialisation",
+        description="fasttext: how the tables and the classifier start. zeros: tables at zero, the classifier at "
+                    "random; centroids: as the nearest-centroid classifier of the train split's weighted feature "
+                    "vectors, factored into the tables and the classifier (exact while the classes are at most "
+                    "model.embed_dim): for few texts of many classes.",
+    )
     max_char_len: int = Field(256, ge=8, le=8192, title="Max characters", description="Character input is truncated to this many characters.")
     dropout: float = Field(0.5, ge=0, lt=1, title="Dropout", description="Dropout before the classifier (and inside the encoder).")
 

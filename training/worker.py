@@ -282,6 +282,8 @@ class Trainer(RankZeroOutput):
         if self.tables:
             ignore = {id(m.weight) for m in self.tables}
             DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, p in model.named_parameters() if id(p) in ignore])
+            for table in self.tables:  # DDP does not broadcast them: rank 0's start (Family.fit) on every rank
+                torch.distributed.broadcast(table.weight.data, src=0)
         # buffers are not broadcast each step: every rank computes its own the same way (a fastText model's feature
         # weights, 2 MB, fit from the same split; position ids), and a resume loads them on every rank
         self.model = DDP(self.raw_model, device_ids=[info.local_rank] if info.device.type == "cuda" else None,

@@ -10,7 +10,9 @@ length, as a TF-IDF vector's does; with every weight 1, the square root of the n
 Both tables start at zero (the linear layer breaks the symmetry: each feature's gradient is that layer's weights
 times the error): an n-gram or token no training text had keeps a zero vector instead of a random one, which on a
 small dataset (300 texts of 60 classes, most test n-grams unseen) was 8 points of test macro-F1 in one
-run each (0.525 with the layers' random start, 0.604).
+run each (0.525 with the layers' random start, 0.604). ``model.init=centroids`` starts them, and the linear layer,
+as the nearest-centroid classifier of the train split instead (``centroid_init``): a start for few texts of many
+classes, not the default (BENCHMARKS.md, default settings across datasets).
 It reads n-grams the way TF-IDF + linear models do, which is why it holds up on datasets where the convolutional and
 recurrent families need more data. Both tables have sparse gradients: a step (and the exchange between processes, on gloo) costs
 the rows the batch touched, not ``model.buckets`` x ``model.embed_dim``; on CUDA (nccl has no sparse all-reduce), under
@@ -104,6 +106,84 @@ class FastTextEncoder(nn.Module):
         return total / norm.clamp(min=1e-12).sqrt().unsqueeze(1).to(total.dtype)
 
 
+CENTROID_SCALE = 10.0  # each factor's: the logits start at 100x the cosine of the text's vector and its class's mean
+
+
+def _feature_rows(model: nn.Module, batches):
+    """The train texts' feature vectors as the encoders see them (each input's weights over their L2 norm): one sparse
+    matrix (texts x the input's token and n-gram rows) per input, and the labels; texts labelled below 0 left out."""
+    import numpy as np
+    import scipy.sparse as sp
+
+    parts: dict[str, list] = {name: [] for name in model.encoders}
+    labels_kept = []
+    for batch, labels in batches:
+        labels = torch.as_tensor(labels)
+        keep = labels >= 0
+        if not keep.any():
+            continue
+        labels_kept.append(labels[keep].numpy())
+        for name, encoder in model.encoders.items():
+            rows = encoder.embedding.num_embeddings  # the n-gram table's rows follow the tokens'
+            size = rows + (encoder.ngrams.num_embeddings if encoder.ngrams is not None else 0)
+            ids, weights = [], []
+            for table, idx, weight in encoder.features(batch[name][keep]):
+                ids.append(idx + (0 if table is encoder.embedding else rows))
+                weights.append(weight[idx].double())
+            w = torch.cat(weights, 1)
+            w = w / w.square().sum(1, keepdim=True).sqrt().clamp(min=1e-12)
+            n = w.size(0)
+            part = sp.csr_matrix((w.flatten().numpy(), (np.repeat(np.arange(n), w.size(1)), torch.cat(ids, 1).flatten().numpy())),
+                                 shape=(n, size))
+            part.sum_duplicates()
+            parts[name].append(part)
+    if not labels_kept:
+        return None, None
+    return {name: sp.vstack(p, format="csr") for name, p in parts.items()}, np.concatenate(labels_kept)
+
+
+@torch.no_grad()
+def centroid_init(model: nn.Module, batches) -> None:
+    """Start ``model`` (a TextClassifier of FastTextEncoders) as the nearest-centroid classifier of the train split.
+
+    A text's vector is ``E^T x`` (x: its features' weights over their L2 norm, one vector per input, side by side
+    before the classifier) and its logits ``W E^T x``. With M the classes' mean vectors x, each row scaled to unit
+    length over all inputs, each input's block of M is factored as ``U S V^T`` (through the eigenvectors of
+    ``M M^T``, classes x classes: M is never dense), its tables set to ``V S^1/2`` and its classifier columns to
+    ``U S^1/2``, both times CENTROID_SCALE. The logits are then the centroid classifier's scores (the cosine of the
+    text and each class's mean) exactly while the classes are at most ``model.embed_dim``, and their best
+    rank-``embed_dim`` approximation beyond. Dimensions left over keep zero tables and the classifier's random start,
+    as without. ``batches``: (token ids by input, labels); texts labelled below 0 (unlabelled) are left out."""
+    import numpy as np
+    import scipy.sparse as sp
+
+    classes = model.classifier.out_features
+    x, y = _feature_rows(model, batches)
+    if x is None:
+        return
+    onehot = sp.csr_matrix((np.ones(len(y)), (y, np.arange(len(y)))), shape=(classes, len(y)))
+    means = {name: sp.diags(1.0 / np.maximum(np.asarray(onehot.sum(1)).ravel(), 1)) @ onehot @ m for name, m in x.items()}
+    norms = np.sqrt(sum(np.asarray(m.multiply(m).sum(1)).ravel() for m in means.values()))
+    unit = sp.diags(1.0 / np.maximum(norms, 1e-12))
+    weight, column = model.classifier.weight, 0
+    for name, encoder in model.encoders.items():
+        m = (unit @ means[name]).tocsr()
+        values, vectors = np.linalg.eigh((m @ m.T).toarray())
+        order = np.argsort(values)[::-1]
+        k = min(encoder.out_dim, int((values > 1e-9 * max(values.max(), 1e-30)).sum()))
+        s, u = np.sqrt(values[order[:k]]), vectors[:, order[:k]]
+        tables = torch.from_numpy(np.asarray(m.T @ u) * (CENTROID_SCALE / np.sqrt(s))).to(weight.dtype)  # V S^1/2
+        rows = encoder.embedding.num_embeddings
+        encoder.embedding.weight[:, :k] = tables[:rows]
+        encoder.embedding.weight[:, k:] = 0
+        if encoder.ngrams is not None:
+            encoder.ngrams.weight[:, :k] = tables[rows:]
+            encoder.ngrams.weight[:, k:] = 0
+        weight[:, column:column + k] = torch.from_numpy(u * np.sqrt(s) * CENTROID_SCALE).to(weight.dtype)
+        column += encoder.out_dim
+    model.classifier.bias.zero_()
+
+
 class FastText(ScratchFamily):
     name = "fasttext"
     # a step of 32 texts lasts about 10 ms on one thread; the exchange of its touched rows on gloo about as long:
@@ -115,6 +195,7 @@ class FastText(ScratchFamily):
         "model.embed_dim": {"choices": [16, 32, 64]},
         "model.ngrams": {"choices": [2, 3, 4]},
         "model.idf": {"choices": [True, False]},
+        "model.init": {"choices": ["centroids", "zeros"]},
         "model.dropout": {"low": 0.0, "high": 0.5},
         "train.lr": {"low": 1e-3, "high": 2e-2, "log": True},
         "train.batch_size": {"choices": [16, 32, 64]},
@@ -126,13 +207,14 @@ class FastText(ScratchFamily):
         """The inverse document frequency of every token and n-gram in the train split (``model.idf``). On 300 texts
         of 60 classes (law-names-300) macro-F1 on its validation and test texts together, 4 seeds: 0.671 against
         0.624 with every feature weighing 1; on the built-in corpus, 3 seeds: 0.8484 against 0.8472."""
-        if not cfg.idf:
-            return
         from torch.utils.data import DataLoader
 
         loader = DataLoader(train, batch_size=512, collate_fn=train.collate)
-        for name, encoder in model.encoders.items():
-            encoder.fit_weights(batch[name] for batch, _ in loader)
+        if cfg.idf:
+            for name, encoder in model.encoders.items():
+                encoder.fit_weights(batch[name] for batch, _ in loader)
+        if cfg.init == "centroids":
+            centroid_init(model, loader)
 
     def check(self, cfg: ModelConfig) -> None:
         from training.config import ConfigError
