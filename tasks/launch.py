@@ -96,7 +96,7 @@ def _error_summary(tail: list[str]) -> str:
     return errors[-1] if errors else (tail[-1].strip() if tail else "no output")
 
 
-def _failure(line: str, before: list[str]) -> str | None:
+def _failure(line: str, before) -> str | None:
     """What a line of torchrun's output says of a failed worker group, with the first error the workers printed
     ``before`` it (the failing rank prints first; its peers' errors follow): None for any other line."""
     match = _FAILED_LINE.search(line)
@@ -231,7 +231,7 @@ def _echo(proc: subprocess.Popen, logger, tail: collections.deque, failures: lis
     """Each line of the workers' and torchrun's output into the log; each failure of the worker group (torchrun
     restarts it while restarts are left) into ``failures``, with a warning."""
     assert proc.stdout is not None
-    since: list[str] = []  # the lines since the last failure
+    since: collections.deque[str] = collections.deque(maxlen=500)  # the lines since the last failure
     for line in proc.stdout:
         line = line.rstrip()
         tail.append(line)
@@ -239,7 +239,6 @@ def _echo(proc: subprocess.Popen, logger, tail: collections.deque, failures: lis
         failure = _failure(line, since)
         if failure is None:
             since.append(line)
-            del since[:-500]
             continue
         failures.append(failure)
         since.clear()
