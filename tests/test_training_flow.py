@@ -47,6 +47,7 @@ def test_the_time_budget_ends_training_and_keeps_the_best_model(prefect_server, 
 def test_a_hung_worker_is_ended_by_the_timeout_and_the_mlflow_runs_fail(prefect_server, mlflow_store, small_csv, tmp_path,
                                                                           monkeypatch):
     monkeypatch.setenv("ZHFLOW_TEST_HANG_AT_STEP", "4")  # every rank stops answering in epoch 2 (3 steps an epoch)
+    monkeypatch.setenv("ZHFLOW_TEST_TIMEOUT_GRACE_S", "15")  # ended 45 s after the start instead of 90
     cfg = _config(small_csv, "train.epochs=1000", "train.patience=1000", "train.timeout_minutes=0.5")
     with pytest.raises(Exception):
         train_only(cfg, "timeout")
