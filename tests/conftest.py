@@ -74,6 +74,16 @@ def prefect_server():
         yield
 
 
+@pytest.fixture(scope="session")
+def prefect_api(prefect_server) -> str:
+    """The session's Prefect server for `zhflow` subprocesses (as PREFECT_API_URL) whose test is not about the
+    temporary server each would otherwise start (about 5 s each here; tests/test_first_run.py and tests/test_faults.py
+    keep that path)."""
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value()
+
+
 def build_tiny_bert(folder: Path, architecture: str = "bert", pad_last: bool = False, hidden: int = 32) -> Path:
     """A 2-layer encoder with a WordPiece vocabulary of the fixtures' characters, saved with ``save_pretrained``
     (no hub here): what a user's local checkpoint folder looks like. ``pad_last``: the pad token at the last id."""

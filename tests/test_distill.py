@@ -123,12 +123,12 @@ TINY = ["--preset", "tiny", "--set", "data.max_samples=null", "--set", "train.ep
 
 
 @pytest.mark.slow
-def test_a_run_distils_a_student_and_zhflow_distill_learns_from_a_registered_model(reviews, tmp_path):
+def test_a_run_distils_a_student_and_zhflow_distill_learns_from_a_registered_model(reviews, tmp_path, prefect_api):
     from mlflow.tracking import MlflowClient
     import mlflow
 
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    env = {"MLFLOW_TRACKING_URI": store}
+    env = {"MLFLOW_TRACKING_URI": store, "PREFECT_API_URL": prefect_api}
     out = tmp_path / "run.json"
     run = _zhflow(["run", *TINY, "--dataset", str(reviews), "--distill", "baseline,trained", "--json-out", str(out)], tmp_path, env)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
@@ -198,13 +198,13 @@ def test_a_run_distils_a_student_and_zhflow_distill_learns_from_a_registered_mod
 
 
 @pytest.mark.slow
-def test_a_tokenizer_teacher_teaches_a_jieba_word_student(tiny_bert, reviews, tmp_path):
+def test_a_tokenizer_teacher_teaches_a_jieba_word_student(tiny_bert, reviews, tmp_path, prefect_api):
     """The fine-tuned encoder reads its tokenizer's ids, the TextCNN student jieba words: one prepared folder holds
     both, and the student's served model needs jieba while the teacher's did not."""
     import mlflow
 
     out = tmp_path / "run.json"
-    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "PREFECT_API_URL": prefect_api}
     unlabelled = tmp_path / "more.txt"
     unlabelled.write_text("这家店的咖啡香浓可口\n物流慢得让人生气\n屏幕清晰，续航一般\n", encoding="utf-8")
     run = _zhflow(["run", "--preset", "tiny", "--pretrained", str(tiny_bert), "--dataset", str(reviews), "--distill", "trained",

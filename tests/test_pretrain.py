@@ -303,25 +303,33 @@ def test_a_corpus_with_nothing_to_learn_is_one_clear_error_naming_the_file(tmp_p
     assert "Traceback" not in out.stderr
 
 
-def test_bad_pretraining_settings_name_the_field(tmp_path, corpus_file):
+def test_bad_pretraining_settings_name_the_field(tmp_path, corpus_file, monkeypatch, capsys):
+    from flows.cli import main
+
+    monkeypatch.setenv("ZHFLOW_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.chdir(tmp_path)
     for args, message in ((["--size", "huge"], "model.size"), (["--set", "model.mask_prob=1.5"], "model.mask_prob"),
                           (["--set", "corpus.nothing=1"], "corpus has no setting 'nothing'"),
                           (["--from", str(tmp_path / "nope")], "model.init_from"),
-                          (["--exclude-prepared", str(tmp_path)], "corpus.exclude_prepared")):
-        out = _zhflow(["pretrain", "--corpus", str(corpus_file), *args], tmp_path, timeout=120)
-        assert out.returncode == 2 and message in out.stderr, (args, out.stderr[-1500:])
-        assert not (tmp_path / "mlflow.db").exists()  # refused before any run was recorded
-    fsdp = _zhflow(["run", "--preset", "tiny", "--set", "train.strategy=fsdp"], tmp_path, timeout=120)
-    assert fsdp.returncode == 2 and "train.strategy" in fsdp.stderr
+                          (["--exclude-prepared", str(tmp_path)], "corpus.exclude_prepared"),
+                          (None, "train.strategy")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["pretrain", "--corpus", str(corpus_file), *args] if args else
+                 ["run", "--preset", "tiny", "--set", "train.strategy=fsdp"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and message in err, (args, err[-1500:])
+        assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "home").exists()  # refused before anything was recorded
 
 
 @pytest.fixture(scope="module")
-def pretrained_ddp(corpus_file, tmp_path_factory):
+def pretrained_ddp(corpus_file, tmp_path_factory, prefect_api):
     """`zhflow pretrain` from scratch, 2 DDP processes on gloo: (working folder, summary)."""
     cwd = tmp_path_factory.mktemp("pretrain-ddp")
     out = _zhflow(["pretrain", "--corpus", str(corpus_file), "--size", "tiny", "--nproc", "2", "--out", str(cwd / "zh-tiny"),
                    "--set", "model.max_len=32", "--set", "train.epochs=4", "--set", "train.batch_size=16",
-                   "--set", "train.lr=3e-3", "--set", "corpus.held_out=0.1", "--json-out", str(cwd / "summary.json")], cwd)
+                   "--set", "train.lr=3e-3", "--set", "corpus.held_out=0.1", "--json-out", str(cwd / "summary.json")], cwd,
+                  env={"PREFECT_API_URL": prefect_api})
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "encoder: " in out.stdout and "zhflow run --pretrained" in out.stdout
     return cwd, json.loads((cwd / "summary.json").read_text())
@@ -364,7 +372,7 @@ def test_pretraining_from_scratch_with_two_processes_is_tracked_and_loads_with_f
 
 
 @pytest.mark.slow
-def test_fsdp_continues_pretraining_resumes_a_killed_rank_and_the_result_fine_tunes(pretrained_ddp, corpus_file):
+def test_fsdp_continues_pretraining_resumes_a_killed_rank_and_the_result_fine_tunes(pretrained_ddp, corpus_file, prefect_api):
     """FSDP2 on 2 gloo processes, continued from the DDP run's encoder (--from, its tokenizer); rank 1 is SIGKILLed at
     step 5, torchrun restarts the group, and it resumes from the last sharded checkpoint without logging a step twice.
     Then `zhflow run --pretrained` fine-tunes the output."""
@@ -376,7 +384,8 @@ def test_fsdp_continues_pretraining_resumes_a_killed_rank_and_the_result_fine_tu
                    "--set", "train.lr=1e-3", "--set", "train.max_restarts=1", "--set", "model.max_len=32",
                    "--set", "checkpoint_minutes=1e-6",
                    "--json-out", str(cwd / "fsdp.json")], cwd,
-                  env={"ZHFLOW_TEST_KILL_AT_STEP": "5", "ZHFLOW_TEST_KILL_ONCE_FILE": str(cwd / "killed")})
+                  env={"ZHFLOW_TEST_KILL_AT_STEP": "5", "ZHFLOW_TEST_KILL_ONCE_FILE": str(cwd / "killed"),
+                       "PREFECT_API_URL": prefect_api})
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     summary = json.loads((cwd / "fsdp.json").read_text())
     assert (cwd / "killed").exists() and summary["restarts"] == 1 and summary["strategy"] == "fsdp"
@@ -394,7 +403,7 @@ def test_fsdp_continues_pretraining_resumes_a_killed_rank_and_the_result_fine_tu
     run = _zhflow(["run", "--preset", "tiny", "--pretrained", summary["output"], "--dataset", str(data), "--nproc", "1",
                    "--set", "data.max_samples=null", "--set", "train.epochs=10", "--set", "train.patience=10", "--set", "train.lr=2e-3",
                    "--set", "train.batch_size=8", "--set", "prune.amount=0", "--set", "select.candidates=neural",
-                   "--set", "preprocess.max_len=32", "--json-out", str(cwd / "run.json")], cwd)
+                   "--set", "preprocess.max_len=32", "--json-out", str(cwd / "run.json")], cwd, env={"PREFECT_API_URL": prefect_api})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     fine = json.loads((cwd / "run.json").read_text())
     assert fine["metrics"]["test_macro_f1"] > 0.7  # templated reviews: a model that learned nothing scores ~0.33-0.5

@@ -114,7 +114,7 @@ def test_a_hub_id_that_cannot_be_fetched_is_one_clear_line_and_nothing_is_record
 
 
 @pytest.mark.slow
-def test_fine_tuning_a_local_checkpoint_with_two_processes_registers_and_serves(tiny_bert, reviews, tmp_path):
+def test_fine_tuning_a_local_checkpoint_with_two_processes_registers_and_serves(tiny_bert, reviews, tmp_path, prefect_api):
     """`zhflow run --pretrained FOLDER` end to end: 2 DDP processes on gloo, evaluation, registration; the served model
     carries the tokenizer (no jieba needed for it) and predicts what the model predicts in-process."""
     out = tmp_path / "summary.json"
@@ -122,8 +122,8 @@ def test_fine_tuning_a_local_checkpoint_with_two_processes_registers_and_serves(
                    "--set", "data.max_samples=null", "--set", "train.lr=2e-3", "--set", "train.epochs=20", "--set", "train.batch_size=8",
                    "--set", "train.patience=20", "--set", "train.schedule=constant", "--set", "prune.amount=0.5", "--set", "prune.method=structured",
                    "--set", "prune.finetune_epochs=3", "--set", "prune.finetune_lr=2e-3", "--set", "preprocess.max_len=24", "--set", "select.candidates=neural",
-                   "--json-out", str(out)], tmp_path, env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"},
-                  timeout=1200)
+                   "--json-out", str(out)], tmp_path, env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+                                                           "PREFECT_API_URL": prefect_api}, timeout=1200)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     summary = json.loads(out.read_text())
     assert summary["selected"] == "neural"
@@ -164,7 +164,7 @@ def test_fine_tuning_a_local_checkpoint_with_two_processes_registers_and_serves(
         mlflow.set_tracking_uri(None)
 
     # zhflow predict, zhflow evaluate and `mlflow models serve` on the registered (pruned) model
-    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "PREFECT_API_URL": prefect_api}
     uri = f"models:/{summary['model']['name']}@champion"
     predicted = _zhflow(["predict", "--model-uri", uri, "这本书非常好看，值得一读", "--json-out", str(tmp_path / "p.jsonl")], tmp_path, env)
     assert predicted.returncode == 0, predicted.stderr[-3000:]
