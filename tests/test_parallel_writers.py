@@ -175,7 +175,8 @@ def test_parallel_writers_sqlite_and_postgres(tmp_path, pg_urls):
             time.sleep(0.2)
         t_ready = time.monotonic() - t0
         began = time.time()
-        (work / "go").write_text(str(began + DURATION_S))
+        (work / "go.tmp").write_text(str(began + DURATION_S))
+        (work / "go.tmp").rename(work / "go")  # whole or not at all: a writer polling for it never reads it half-written
 
         for name, proc in writers.items():
             try:
