@@ -67,3 +67,27 @@ def test_a_section_re_measured_on_another_machine_keeps_the_earlier_machine_line
     report.write_text("Machine: This CPU (the pruning section) and Some Other CPU (the rest); 2 cores.\n", encoding="utf-8")
     assert main._machine_line(report) == "Machine: This CPU (the pruning section) and Some Other CPU (the rest); 2 cores."
     assert main._machine_line(None) == "Machine: This CPU; 2 cores; Python 3.11."
+
+
+@pytest.mark.parametrize("loss", ["cross-entropy", "hinge"])
+def test_the_factored_probe_learns_a_task_its_features_separate(loss):
+    """bench.factored_probe's model (not run by `python -m bench`): each class has features of its own, shared noise
+    features besides; a model that learned nothing gets a third of the test rows right."""
+    import numpy as np
+    from scipy import sparse
+
+    from bench.factored_probe import factored
+
+    rng = np.random.default_rng(0)
+
+    def rows(n):
+        y = np.arange(n) % 3
+        x = np.zeros((n, 30), dtype=np.float32)
+        for i, label in enumerate(y):
+            x[i, rng.choice(np.arange(label * 5, label * 5 + 5), 2, replace=False)] = 1.0  # two of its class's five
+            x[i, 15 + rng.choice(15, 3, replace=False)] = 1.0  # three of the shared fifteen
+        return sparse.csr_matrix(x / np.linalg.norm(x, axis=1, keepdims=True)), y
+
+    (x_train, y_train), (x_test, y_test) = rows(30), rows(30)
+    predicted = factored(x_train, y_train, x_test, 3, loss, 1e-4, dim=8, epochs=100)
+    assert (predicted == y_test).mean() >= 0.9
