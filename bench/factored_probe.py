@@ -104,7 +104,8 @@ def main() -> None:
                 for key, value in scores.items():
                     rows.setdefault(key, {}).setdefault(name, []).append(value)
     how = f"batches of {args.batch}" if args.batch else "full batch"
-    print(f"\n| model (test macro-F1, mean of splits {', '.join(map(str, args.seeds))}; {how}, {args.epochs} epochs) | " + " | ".join(args.datasets) + " |")
+    print(f"\n| model (test macro-F1, mean of splits {', '.join(map(str, args.seeds))}; {how}, {args.epochs} epochs) | "
+          + " | ".join(args.datasets) + " |")
     print("|---|" + "---|" * len(args.datasets))
     for key, by_name in rows.items():
         print(f"| {key} | " + " | ".join(f"{np.mean(by_name[n]):.4f}" for n in args.datasets) + " |")
