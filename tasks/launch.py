@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import mlflow
 from mlflow.entities import Metric
@@ -96,7 +96,7 @@ def _error_summary(tail: list[str]) -> str:
     return errors[-1] if errors else (tail[-1].strip() if tail else "no output")
 
 
-def _failure(line: str, before) -> str | None:
+def _failure(line: str, before: Iterable[str]) -> str | None:
     """What a line of torchrun's output says of a failed worker group, with the first error the workers printed
     ``before`` it (the failing rank prints first; its peers' errors follow): None for any other line."""
     match = _FAILED_LINE.search(line)
