@@ -361,3 +361,50 @@ def test_row_sparse_adam_steps_as_torchs_sparse_adam():
     assert a["state"][0].keys() == b["state"][0].keys() and a["state"][0]["step"] == b["state"][0]["step"] == 8
     for key in ("exp_avg", "exp_avg_sq"):
         assert torch.allclose(a["state"][0][key], b["state"][0][key], rtol=1e-6, atol=1e-9)
+
+
+def test_the_l2_penalty_steps_every_row_as_dense_adam_with_coupled_decay():
+    """``train.l2`` on a table with sparse gradients: the lazy optimiser moves every row touched so far (and every row
+    not at zero at the start), each step, as torch's dense Adam with ``weight_decay`` (an L2 penalty in the gradient)
+    moves the whole table; rows at zero that no batch touched stay at zero; saved and loaded mid-run (the state's
+    mask of active rows comes back as floats), it goes on exactly as the one that was not; and the dense parameters'
+    penalty is Adam's coupled decay too."""
+    import copy
+
+    from training.worker import PenalisedAdamW, RowSparseAdam
+
+    g = torch.Generator().manual_seed(5)
+    sparse = torch.nn.Embedding(60, 4, sparse=True)
+    with torch.no_grad():
+        sparse.weight.zero_()
+        sparse.weight[50:53] = torch.randn(3, 4, generator=g)  # not at zero from the start, never touched by a batch
+        start = sparse.weight[50:53].clone()
+    dense = torch.nn.Embedding(60, 4)
+    dense.load_state_dict(sparse.state_dict())
+    ours, theirs = RowSparseAdam([sparse.weight], lr=0.05, l2=0.3), torch.optim.Adam([dense.weight], lr=0.05, weight_decay=0.3)
+    for step in range(10):
+        ids = torch.randint(0, 10 if step < 5 else 30, (12,), generator=g)  # rows 30-49 never; 10-29 from step 5
+        target = torch.randn(12, 4, generator=g)
+        for table, optimizer in ((sparse, ours), (dense, theirs)):
+            optimizer.zero_grad()
+            ((table(ids) - target) ** 2).sum().backward()
+            optimizer.step()
+        assert torch.allclose(sparse.weight, dense.weight, rtol=1e-5, atol=1e-6), step
+        if step == 4:  # a resume: the state through a checkpoint
+            state = copy.deepcopy(ours.state_dict())
+            ours = RowSparseAdam([sparse.weight], lr=0.05, l2=0.3)
+            ours.load_state_dict(state)
+    assert torch.count_nonzero(sparse.weight[30:50]) == 0
+    assert 0 < sparse.weight[50:53].norm() < start.norm()  # never touched by a batch: shrunk by the penalty alone
+
+    linear = torch.nn.Linear(5, 3)
+    twin = copy.deepcopy(linear)
+    a = PenalisedAdamW([{"params": [linear.weight], "l2": 0.2, "weight_decay": 0.0}], lr=0.02)
+    b = torch.optim.Adam([twin.weight], lr=0.02, weight_decay=0.2)
+    for _ in range(5):
+        x = torch.randn(7, 5, generator=g)
+        for layer, optimizer in ((linear, a), (twin, b)):
+            optimizer.zero_grad()
+            layer(x).square().sum().backward()
+            optimizer.step()
+    assert torch.allclose(linear.weight, twin.weight, rtol=1e-5, atol=1e-7)

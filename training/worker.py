@@ -136,7 +136,18 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 class RowSparseAdam(torch.optim.SparseAdam):
     """torch's SparseAdam (lazy Adam: only the rows a batch touched move), the same arithmetic and the same state,
     with the touched rows read and written by index. torch's builds a sparse tensor for each moment and adds it into
-    the dense one: about 6 ms a step on 1 thread for one fastText n-gram table of 4,000 touched rows, most of a step."""
+    the dense one: about 6 ms a step on 1 thread for one fastText n-gram table of 4,000 touched rows, most of a step.
+
+    ``l2``: an L2 penalty in the loss on every row of the tables, ``l2 / 2 * |W|^2``: each step adds ``l2 * W`` to the
+    gradient of every row, touched by the batch or not, before Adam's moments see it (a coupled penalty, as Adam's
+    ``weight_decay``; not AdamW's decoupled decay). A row that no step has touched and that started at zero has a zero
+    gradient, zero moments and stays zero, so a step moves the rows touched so far (``state["active"]``), and the
+    result is that of a dense Adam step over the whole table."""
+
+    def __init__(self, params, lr: float = 1e-3, l2: float = 0.0, **kwargs):
+        super().__init__(params, lr=lr, **kwargs)
+        for group in self.param_groups:
+            group.setdefault("l2", l2)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -146,7 +157,7 @@ class RowSparseAdam(torch.optim.SparseAdam):
                 loss = closure()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            lr, eps = float(group["lr"]), group["eps"]
+            lr, eps, l2 = float(group["lr"]), group["eps"], float(group.get("l2", 0.0))
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -158,9 +169,11 @@ class RowSparseAdam(torch.optim.SparseAdam):
                 state["step"] += 1
                 grad = (-p.grad if group.get("maximize", False) else p.grad).coalesce()
                 values = grad._values()
+                rows = grad._indices()[0]
+                if l2 > 0:
+                    rows, values = self._penalised(p, state, rows, values, l2)
                 if values.numel() == 0:
                     continue
-                rows = grad._indices()[0]
                 old_avg = state["exp_avg"].index_select(0, rows)
                 old_sq = state["exp_avg_sq"].index_select(0, rows)
                 avg = values.sub(old_avg).mul_(1 - beta1).add_(old_avg)
@@ -171,6 +184,23 @@ class RowSparseAdam(torch.optim.SparseAdam):
                 step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
                 p.index_add_(0, rows, avg.div_(sq.sqrt_().add_(eps)).mul_(-step_size))
         return loss
+
+    @staticmethod
+    def _penalised(p: torch.Tensor, state: dict, rows: torch.Tensor, values: torch.Tensor, l2: float):
+        """Every active row (nonzero weights or moments, or touched by this step's batch) and its gradient with the
+        penalty added: ``l2 * W``, plus the batch's gradient where it touched the row."""
+        if "active" not in state:  # the first step with the penalty (also after a resume): rows not at zero
+            state["active"] = (p != 0).any(1) | (state["exp_avg_sq"] != 0).any(1)
+        elif state["active"].dtype != torch.bool:  # load_state_dict casts a state's tensors to the parameter's dtype
+            state["active"] = state["active"] != 0
+        active = state["active"]
+        active[rows] = True
+        every = active.nonzero().squeeze(1)
+        where = torch.empty(active.numel(), dtype=torch.long, device=p.device)
+        where[every] = torch.arange(every.numel(), device=p.device)
+        grad = p.index_select(0, every).mul_(l2)
+        grad.index_add_(0, where[rows], values.to(grad.dtype))
+        return every, grad
 
 
 class DenseAndSparse(torch.optim.Optimizer):
@@ -199,12 +229,29 @@ class DenseAndSparse(torch.optim.Optimizer):
         self.parts[1].load_state_dict(state_dict["sparse"])
 
 
-def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+class PenalisedAdamW(torch.optim.AdamW):
+    """AdamW whose groups may carry ``l2``: an L2 penalty in the loss, ``l2 * W`` added to the gradients of the group's
+    parameters before the step (coupled, as the tables' in RowSparseAdam; beside AdamW's decoupled ``weight_decay``)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if group.get("l2", 0.0) > 0:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.add_(p, alpha=group["l2"])
+        return super().step(closure)
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, l2: float = 0.0) -> torch.optim.Optimizer:
     """AdamW, with SparseAdam beside it for the tables with sparse gradients: a step then costs what the batch's rows
-    cost, not what the whole table does (and DDP all-reduces only those rows)."""
-    dense = torch.optim.AdamW(parameter_groups(model, weight_decay), lr=lr)
+    cost, not what the whole table does (and DDP all-reduces only those rows). ``l2`` (``train.l2``): a penalty in the
+    loss on the weight matrices and tables, every row of them."""
+    groups = parameter_groups(model, weight_decay)
+    groups[0]["l2"] = l2  # the weight matrices and embeddings; no penalty on biases and LayerNorm weights
+    dense = PenalisedAdamW(groups, lr=lr) if l2 > 0 else torch.optim.AdamW(groups, lr=lr)
     tables = [m.weight for m in sparse_tables(model) if m.weight.requires_grad]
-    return DenseAndSparse(dense, RowSparseAdam(tables, lr=lr)) if tables else dense
+    return DenseAndSparse(dense, RowSparseAdam(tables, lr=lr, l2=l2)) if tables else dense
 
 
 def clip_gradients(parameters, max_norm: float) -> torch.Tensor:
@@ -307,7 +354,7 @@ class Trainer(RankZeroOutput):
             collate_fn=self.train_set.collate, pin_memory=info.device.type == "cuda",
         )
         t = job.train
-        self.optimizer = make_optimizer(self.raw_model, t.lr, t.weight_decay)
+        self.optimizer = make_optimizer(self.raw_model, t.lr, t.weight_decay, t.l2)
         steps_per_epoch = math.ceil(len(self.loader) / t.grad_accum)
         self.total_steps = t.epochs * steps_per_epoch
         warmup = int((steps_per_epoch if t.schedule == "plateau" else self.total_steps) * t.warmup_ratio)
