@@ -363,15 +363,19 @@ def test_row_sparse_adam_steps_as_torchs_sparse_adam():
         assert torch.allclose(a["state"][0][key], b["state"][0][key], rtol=1e-6, atol=1e-9)
 
 
-def test_the_l2_penalty_steps_every_row_as_dense_adam_with_coupled_decay():
+@pytest.mark.parametrize("share", [1, 24], ids=["active-rows", "whole-table"])
+def test_the_l2_penalty_steps_every_row_as_dense_adam_with_coupled_decay(share, monkeypatch):
     """``train.l2`` on a table with sparse gradients: the lazy optimiser moves every row touched so far (and every row
     not at zero at the start), each step, as torch's dense Adam with ``weight_decay`` (an L2 penalty in the gradient)
-    moves the whole table; rows at zero that no batch touched stay at zero; saved and loaded mid-run (the state's
-    mask of active rows comes back as floats), it goes on exactly as the one that was not; and the dense parameters'
-    penalty is Adam's coupled decay too."""
+    moves the whole table, by the active rows' path and by the whole table's; rows at zero that no batch touched stay
+    at zero; saved and loaded mid-run (the state's mask of active rows comes back as floats), it goes on exactly as
+    the one that was not; and the dense parameters' penalty is Adam's coupled decay too."""
     import copy
 
+    from training import worker
     from training.worker import PenalisedAdamW, RowSparseAdam
+
+    monkeypatch.setattr(worker, "DENSE_SHARE", share)  # 1: never the whole table (its 60 rows are never all active)
 
     g = torch.Generator().manual_seed(5)
     sparse = torch.nn.Embedding(60, 4, sparse=True)
