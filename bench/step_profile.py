@@ -47,7 +47,7 @@ def main(prepared: str, name: str, out: str) -> None:
     data = open_split(prepared, "train", cfg.model, cfg.preprocess.max_len, sizes)
     batch = cfg.train.batch_size
     loader = DataLoader(data, batch_size=batch, sampler=train_sampler(data, cfg.train, world, rank), collate_fn=data.collate)
-    optimizer = make_optimizer(model, cfg.train.lr, cfg.train.weight_decay)
+    optimizer = make_optimizer(model, cfg.train.lr, cfg.train.weight_decay, cfg.train.l2 / len(data))
     spent, steps = dict.fromkeys(PARTS, 0.0), 0
     mark = time.perf_counter()
     for inputs, labels in loader:

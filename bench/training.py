@@ -69,7 +69,7 @@ def bare_rate(prepared: Path, cfg, threads: int | None = None, precision: str = 
     # the worker's batches (texts grouped by length unless train.group_by_length is off): the same padding
     sampler = train_sampler(data, cfg.train)
     loader = DataLoader(data, batch_size=cfg.train.batch_size, sampler=sampler, collate_fn=data.collate)
-    optimizer = make_optimizer(model, cfg.train.lr, cfg.train.weight_decay)  # AdamW (and SparseAdam for sparse tables)
+    optimizer = make_optimizer(model, cfg.train.lr, cfg.train.weight_decay, cfg.train.l2 / len(data))  # AdamW (and SparseAdam for sparse tables)
     model.train()
     rate = 0.0
     for epoch in range(EPOCHS):

@@ -178,9 +178,11 @@ def test_a_distilled_student_trains_on_the_teachers_probabilities_and_resumes_af
     labels = np.load(prepared / "train.labels.npy")
     teacher = np.eye(int(labels.max()) + 1, dtype=np.float32)[labels] * 0.8 + 0.1  # a sure teacher that agrees with the labels
     np.save(tmp_path / "teacher.npy", teacher)
-    # the default preset's student: fastText, whose sparse tables' optimiser state (SparseAdam) resumes too
+    # the default preset's student: fastText, whose sparse tables' optimiser state (SparseAdam) resumes too, with
+    # train.l2's penalty on every row (the state's mask of active rows through the checkpoint)
     job = _job(tmp_path, prepared, family="fasttext", epochs=3, max_restarts=1).model_copy(
         update={"teacher_probs": str(tmp_path / "teacher.npy"), "temperature": 2.0, "alpha": 0.9})
+    job = job.model_copy(update={"train": job.train.model_copy(update={"l2": 0.5})})
     env = _env(ZHFLOW_TEST_KILL_AT_STEP="5", ZHFLOW_TEST_KILL_ONCE_FILE=str(tmp_path / "killed"))
     out = _run(_cmd(job, tmp_path), env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -229,10 +229,12 @@ class TrainConfig(_Section):
     )
     weight_decay: float = Field(0.01, ge=0, le=1, title="Weight decay", description="AdamW weight decay.")
     l2: float = Field(
-        0.0, ge=0, le=1, allow_inf_nan=False, title="L2 penalty",
-        description="An L2 penalty in the loss, l2/2 times the sum of squares of the weight matrices and embedding "
-                    "tables (every row, also those a batch did not touch); unlike weight_decay (AdamW's, decoupled), Adam "
-                    "scales it as it scales the loss's gradient. 0: none.",
+        0.0, ge=0, le=100, allow_inf_nan=False, title="L2 penalty",
+        description="An L2 penalty, a Gaussian prior on the weights: l2/2 times the sum of squares of the weight "
+                    "matrices and embedding tables (every row, also those a batch did not touch) added to the train "
+                    "split's summed loss, so l2/N on each step's mean loss (N: the training texts): strong on a few "
+                    "hundred texts, faint on tens of thousands. Unlike weight_decay (AdamW's, decoupled), Adam scales it "
+                    "as it scales the loss's gradient. 0: none.",
     )
     grad_clip: float = Field(1.0, ge=0, le=1000, allow_inf_nan=False, title="Gradient clipping", description="Max gradient norm; 0 turns clipping off.")
     patience: int = Field(

@@ -274,8 +274,8 @@ class PenalisedAdamW(torch.optim.AdamW):
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, l2: float = 0.0) -> torch.optim.Optimizer:
     """AdamW, with SparseAdam beside it for the tables with sparse gradients: a step then costs what the batch's rows
-    cost, not what the whole table does (and DDP all-reduces only those rows). ``l2`` (``train.l2``): a penalty in the
-    loss on the weight matrices and tables, every row of them."""
+    cost, not what the whole table does (and DDP all-reduces only those rows). ``l2``: a penalty in the (mean) loss on
+    the weight matrices and tables, every row of them (``train.l2`` over the number of training texts)."""
     groups = parameter_groups(model, weight_decay)
     groups[0]["l2"] = l2  # the weight matrices and embeddings; no penalty on biases and LayerNorm weights
     dense = PenalisedAdamW(groups, lr=lr) if l2 > 0 else torch.optim.AdamW(groups, lr=lr)
@@ -383,7 +383,8 @@ class Trainer(RankZeroOutput):
             collate_fn=self.train_set.collate, pin_memory=info.device.type == "cuda",
         )
         t = job.train
-        self.optimizer = make_optimizer(self.raw_model, t.lr, t.weight_decay, t.l2)
+        # train.l2: a prior's strength on the summed loss, l2 / N on the mean loss of a step
+        self.optimizer = make_optimizer(self.raw_model, t.lr, t.weight_decay, t.l2 / max(1, len(self.train_set)))
         steps_per_epoch = math.ceil(len(self.loader) / t.grad_accum)
         self.total_steps = t.epochs * steps_per_epoch
         warmup = int((steps_per_epoch if t.schedule == "plateau" else self.total_steps) * t.warmup_ratio)
