@@ -198,6 +198,7 @@ class FastText(ScratchFamily):
         "model.init": {"choices": ["centroids", "zeros"]},
         "model.dropout": {"low": 0.0, "high": 0.5},
         "train.lr": {"low": 1e-3, "high": 2e-2, "log": True},
+        "train.l2": {"choices": [0.0, 0.2, 1.0]},
         "train.batch_size": {"choices": [16, 32, 64]},
         "augment.enabled": {"choices": [False, True]},
         "prune.amount": {"choices": [0.0, 0.3, 0.5]},
