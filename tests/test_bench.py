@@ -91,3 +91,22 @@ def test_the_factored_probe_learns_a_task_its_features_separate(loss):
     (x_train, y_train), (x_test, y_test) = rows(30), rows(30)
     predicted = factored(x_train, y_train, x_test, 3, loss, 1e-4, dim=8, epochs=100)
     assert (predicted == y_test).mean() >= 0.9
+
+
+def test_the_table_penalty_bench_times_steps_and_counts_the_rows_it_moves(small_csv, tmp_path):
+    """bench.table_penalty's measurement (not run by `python -m bench`): the steps it times are the worker's, with the
+    penalty the tables' active rows are counted (without it none are: lazy Adam keeps no mask), and a tiny corpus
+    leaves most of a 16,384-row n-gram table untouched."""
+    import math
+
+    from bench.table_penalty import step_times
+    from training.data.prepare import prepare_dataset
+    from training.overrides import apply_overrides
+    from training.presets import preset
+
+    cfg = apply_overrides(preset("tiny", "fasttext"), [f"data.dataset={small_csv}", "preprocess.min_freq=1"])
+    prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "prepared", progress=False)
+    times, share = step_times(tmp_path / "prepared", cfg, 0.2, 12)
+    assert len(times) == 12 and all(t > 0 for t in times)
+    assert 0 < share < 0.5
+    assert math.isnan(step_times(tmp_path / "prepared", cfg, 0.0, 3)[1])
