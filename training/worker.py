@@ -233,9 +233,9 @@ class RowSparseAdam(torch.optim.SparseAdam):
 
 
 class DenseAndSparse(torch.optim.Optimizer):
-    """AdamW for the dense parameters and SparseAdam (lazy Adam: only the rows a batch touched move; no weight decay)
-    for the tables with sparse gradients, stepped as one optimiser: one learning-rate schedule over all their groups,
-    one state in the checkpoint."""
+    """AdamW for the dense parameters and SparseAdam (lazy Adam: only the rows a batch touched move; no weight decay,
+    but ``train.l2``'s penalty on every row) for the tables with sparse gradients, stepped as one optimiser: one
+    learning-rate schedule over all their groups, one state in the checkpoint."""
 
     def __init__(self, dense: torch.optim.Optimizer, sparse: torch.optim.Optimizer):
         super().__init__([p for g in dense.param_groups + sparse.param_groups for p in g["params"]], dense.defaults)
