@@ -98,9 +98,9 @@ def test_the_default_preset_trains_fasttext_and_another_family_gets_its_own_sett
     """The default preset's family is fastText with its settings; --model textcnn on it gets the shared sizes, not
     fastText's, and the distilled student stays the preset's own model."""
     d = default()
-    assert (d.model.name, d.model.input, d.model.embed_dim, d.train.lr, d.train.l2, d.train.batch_size) == ("fasttext", "both", 64, 5e-3, 0.2, 32)
+    assert (d.model.name, d.model.input, d.model.embed_dim, d.train.lr, d.train.batch_size) == ("fasttext", "both", 32, 5e-3, 32)
     assert d.distill.student == d.model and d.distill.train == d.train
     cnn = preset("default", "textcnn")
-    assert (cnn.model.name, cnn.model.embed_dim, cnn.model.dropout, cnn.train.lr, cnn.train.l2, cnn.train.batch_size) == ("textcnn", 128, 0.5, 1e-3, 0.0, 32)
+    assert (cnn.model.name, cnn.model.embed_dim, cnn.model.dropout, cnn.train.lr, cnn.train.batch_size) == ("textcnn", 128, 0.5, 1e-3, 32)
     assert cnn.distill.student == d.model
     assert preset("default", "fasttext") == d
