@@ -22,10 +22,9 @@ from torch.utils.data import DataLoader
 
 from bench.common import machine
 from bench.datasets import BUILDERS, dataset
+from bench.training import model_and_train_split
 from training.data.dataset import train_sampler
-from training.data.prepare import load_manifest, prepare_dataset
-from training.evaluate import open_split
-from training.models import family_of
+from training.data.prepare import prepare_dataset
 from training.overrides import apply_overrides
 from training.presets import preset
 from training.worker import clip_gradients, make_optimizer, sparse_tables
@@ -34,11 +33,7 @@ from training.worker import clip_gradients, make_optimizer, sparse_tables
 def step_times(prepared: Path, cfg, l2: float, steps: int) -> tuple[list[float], float]:
     """Seconds of each of ``steps`` training steps, and the share of the tables' rows active at the end."""
     torch.manual_seed(0)
-    manifest = load_manifest(prepared)
-    family = family_of(cfg.model)
-    sizes = family.sizes(manifest, cfg.model, cfg.preprocess.max_len)
-    model = family.build(cfg.model, sizes, len(manifest["labels"]))
-    data = open_split(prepared, "train", cfg.model, cfg.preprocess.max_len, sizes)
+    family, model, data = model_and_train_split(prepared, cfg)
     family.fit(model, cfg.model, data)
     loader = DataLoader(data, batch_size=cfg.train.batch_size, sampler=train_sampler(data, cfg.train),
                         collate_fn=data.collate)

@@ -56,16 +56,21 @@ def _worker_rate(prepared: Path, family: str, nproc: int, tmp: Path, threads: in
     return sum(read_result(out)["epoch_samples_per_second"][-1] for out in outs)
 
 
+def model_and_train_split(prepared: Path, cfg):
+    """The family, a fresh model of ``cfg.model`` for the prepared data, and its train split."""
+    manifest = load_manifest(prepared)
+    family = family_of(cfg.model)
+    sizes = family.sizes(manifest, cfg.model, cfg.preprocess.max_len)
+    model = family.build(cfg.model, sizes, len(manifest["labels"]))
+    return family, model, open_split(prepared, "train", cfg.model, cfg.preprocess.max_len, sizes)
+
+
 def bare_rate(prepared: Path, cfg, threads: int | None = None, precision: str = "fp32") -> float:
     """The same model, batches, precision, clipping and threads in the plainest loop: no DDP, no logging, no
     validation (the last epoch's training samples/s)."""
     torch.set_num_threads(threads or os.cpu_count() or 1)
     torch.manual_seed(0)
-    manifest = load_manifest(prepared)
-    family = family_of(cfg.model)
-    sizes = family.sizes(manifest, cfg.model, cfg.preprocess.max_len)
-    model = family.build(cfg.model, sizes, len(manifest["labels"]))
-    data = open_split(prepared, "train", cfg.model, cfg.preprocess.max_len, sizes)
+    _, model, data = model_and_train_split(prepared, cfg)
     # the worker's batches (texts grouped by length unless train.group_by_length is off): the same padding
     sampler = train_sampler(data, cfg.train)
     loader = DataLoader(data, batch_size=cfg.train.batch_size, sampler=sampler, collate_fn=data.collate)
