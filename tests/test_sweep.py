@@ -222,7 +222,7 @@ def test_a_trial_whose_process_died_is_run_again_first_and_a_live_one_is_left_al
     import tasks.sweep as sweeps
 
     monkeypatch.setattr(sweeps, "HEARTBEAT_S", 1)
-    monkeypatch.setattr(sweeps, "GRACE_S", 2)
+    monkeypatch.setattr(sweeps, "GRACE_S", 4)  # wide enough for a loaded machine between a beat and the check
     url = f"sqlite:///{tmp_path / 'optuna.db'}"
     study = sweeps.open_study("s", url, "random", "none", {}, seed=1)
     storage = study._storage  # the beats optimize() records, recorded by hand for trials asked here
@@ -233,14 +233,15 @@ def test_a_trial_whose_process_died_is_run_again_first_and_a_live_one_is_left_al
     done = study.ask()
     done.suggest_float("train.lr", 1e-3, 1e-2)
     study.tell(done, 0.8)
-    time.sleep(2.5)
-    storage.record_heartbeat(alive._trial_id)  # still beating
+    time.sleep(4.5)
     resumed = sweeps.open_study("s", url, "random", "none", {}, seed=1)
+    storage.record_heartbeat(alive._trial_id)  # still beating
     assert sweeps.recover_interrupted(resumed) == [lost.number]
     again = resumed.ask()
     assert again.suggest_float("train.lr", 1e-3, 1e-2) == lr
     assert optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(resumed.trials[again.number]) == lost.number
     assert [t.state.name for t in resumed.trials][:3] == ["FAIL", "RUNNING", "COMPLETE"]
+    storage.record_heartbeat(alive._trial_id)
     assert sweeps.recover_interrupted(resumed) == []  # nothing else stopped beating
 
 
