@@ -32,7 +32,10 @@ FLAGS = {  # flag -> the setting it fills, with the value argparse parsed (--mod
 def build_config(args: argparse.Namespace) -> PipelineConfig:
     """The preset (with the family defaults of --model), the flags' values, then --set: validated once each."""
     model = getattr(args, "model", None)
-    if model is None and getattr(args, "pretrained", None):
+    if getattr(args, "pretrained", None):
+        if model not in (None, "pretrained"):
+            raise ConfigError(f"model.name: --pretrained fine-tunes a pretrained checkpoint (the pretrained family); "
+                              f"it cannot go with --model {model}")
         model = "pretrained"  # --pretrained X: fine-tune X
     if model is not None and model not in MODEL_FAMILIES:
         raise ConfigError(f"model.name: unknown model family {model!r}; choose one of {', '.join(MODEL_FAMILIES)}")
@@ -46,6 +49,10 @@ def build_config(args: argparse.Namespace) -> PipelineConfig:
         flags |= {f"distill.{section}.{key}": value for section, part in (("student", taught.model), ("train", taught.train))
                   for key, value in part.model_dump().items()}  # field by field: a whole section is not a setting
     if args.command == "distill":
+        if "trained" in (teacher or []):
+            raise ConfigError("distill.teacher: 'trained' is the model `zhflow run --distill trained` trains in the same "
+                              "run; `zhflow distill` trains none: give models:/NAME@ALIAS, models:/NAME/VERSION, "
+                              "runs:/RUN_ID/model or baseline")
         if args.nproc is not None:
             flags["distill.train.nproc"] = args.nproc
         flags["select.candidates"] = []  # the distilled student alone (the TF-IDF reference is still scored beside it)
@@ -120,7 +127,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     _data_options(dist)
     dist.add_argument("--teacher", type=_teachers, required=True, metavar="TEACHER[,TEACHER]",
                       help="models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/model or baseline; several: averaged")
-    dist.add_argument("--student", help=f"the student's family: {', '.join(MODEL_FAMILIES)} (default textcnn)")
+    dist.add_argument("--student", help=f"the student's family: {', '.join(MODEL_FAMILIES)} (default: the preset's student, distill.student)")
     dist.add_argument("--unlabelled", metavar="FILE", help="unlabelled texts for the transfer set, one per line, labelled by the teacher")
     dist.add_argument("--nproc", type=int, help="DDP processes (default: GPUs, or CPU cores; fastText: 1 on CPU)")
     dist.add_argument("--experiment", default="zhflow", help="MLflow experiment (default: zhflow)")
@@ -180,7 +187,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
         formatter_class=argparse.RawDescriptionHelpFormatter)
     pr.add_argument("--model-uri", required=True, help="models:/NAME@ALIAS, models:/NAME/VERSION or runs:/RUN_ID/model")
     pr.add_argument("texts", nargs="*", help="texts to classify")
-    pr.add_argument("--input", type=Path, help="a UTF-8 (or GB18030) file with one text per line")
+    pr.add_argument("--input", type=Path, help="a UTF-8 (or GB18030) file with one text per line (a blank line too: row n of the output is line n)")
     pr.add_argument("--json-out", type=Path, help="write one JSON object per text (label, probabilities) here")
     pt = sub.add_parser(
         "pretrain", help="masked-language-model pretraining of a Chinese encoder on unlabelled text (DDP or FSDP2)",
@@ -330,7 +337,7 @@ def predict_command(args: argparse.Namespace) -> int:
     texts = list(args.texts)
     if args.input:
         try:
-            texts += [line for line in decode(args.input).splitlines() if line.strip()]
+            texts += decode(args.input).splitlines()  # one row per line, blank ones too: row n is line n
         except (OSError, DatasetError) as err:
             print(f"zhflow: error: {err}", file=sys.stderr)
             return 2
@@ -359,12 +366,23 @@ def predict_command(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    probs = [k for k in rows[0] if k.startswith("prob_")]
+    shown = [k for k in rows[0] if not k.startswith("prob_")]
     table = Table()
-    for column in rows[0]:
+    for column in shown:
         table.add_column(column)
+    if len(probs) <= 4:  # every class's probability fits beside the text
+        for column in probs:
+            table.add_column(column)
+    else:  # many classes: the label's own; every class's in --json-out
+        table.add_column("probability")
     for r in rows:
-        table.add_row(*[f"{v:.4f}" if isinstance(v, float) else str(v) for v in r.values()])
+        cells = [str(r[k]) for k in shown]
+        cells += [f"{r[k]:.4f}" for k in probs] if len(probs) <= 4 else [f"{r.get('prob_' + str(r['label']), max(r[k] for k in probs)):.4f}"]
+        table.add_row(*cells)
     Console().print(table)
+    if len(probs) > 4 and not args.json_out:
+        print(f"({len(probs)} classes: --json-out FILE writes every class's probability)")
     return 0
 
 
@@ -496,6 +514,10 @@ def _print_summary(summary: dict) -> None:
     candidates.add_row("reference: char TF-IDF + SVM", "", f"{m['baseline_test_macro_f1']:.4f}",
                        f"{m['baseline_test_accuracy']:.4f}", "")
     console.print(candidates)
+    if never := int(m.get("test_classes_never_predicted", 0)):
+        console.print(f"[bold yellow]WARNING: the registered model predicts none of the test texts as {never} of their "
+                      "classes (the test run's tag test_classes_never_predicted names them); with classes this rare, "
+                      "try --set train.class_weights=balanced --set linear.class_weights=balanced[/]")
     table = Table(title="zhflow run", show_header=False)
     table.add_column(style="bold")
     table.add_column()
@@ -508,10 +530,14 @@ def _print_summary(summary: dict) -> None:
             setting = "train.timeout_minutes" if training["stop_reason"] == "timeout" else "train.epochs"
             stopped += f"  [bold yellow]WARNING: validation was still improving; raise {setting}[/]"
         table.add_row("neural training", stopped)
-        table.add_row("pruning", f"test_macro_f1 {m['trained_test_macro_f1']:.4f} -> {m['neural_test_macro_f1']:.4f}; "
-                      f"sparsity {summary['sparsity']['before']:.2f} -> {summary['sparsity']['after']:.2f}; "
-                      f"{m['prune_after_params']:,.0f} parameters; file {m['prune_file_size_ratio']:.2f}x smaller; "
-                      f"batch-64 CPU latency {m['prune_after_latency_b64_p50_ms']:.1f} ms ({m['prune_speedup_b64']:.2f}x)")
+        if not m.get("prune_removed_params", 1):
+            table.add_row("pruning", f"removed nothing (prune.amount 0, or the trained model was sparser than it asks: "
+                                     f"{summary['sparsity']['before']:.0%} of its prunable weights zero); the model is the trained one")
+        else:
+            table.add_row("pruning", f"test_macro_f1 {m['trained_test_macro_f1']:.4f} -> {m['neural_test_macro_f1']:.4f}; "
+                          f"sparsity {summary['sparsity']['before']:.2f} -> {summary['sparsity']['after']:.2f}; "
+                          f"{m['prune_after_params']:,.0f} parameters; file {m['prune_file_size_ratio']:.2f}x smaller; "
+                          f"batch-64 CPU latency {m['prune_after_latency_b64_p50_ms']:.1f} ms ({m['prune_speedup_b64']:.2f}x)")
     if "distill_distilled_test_macro_f1" in m:
         speed = (f"; {m['distill_speedup_b64_vs_teacher']:.1f}x the teacher's batch-64 speed"
                  if "distill_speedup_b64_vs_teacher" in m else "")
@@ -572,6 +598,9 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         from training.models import check_model
 
         check_model(config.model)  # a checkpoint that cannot be loaded: one line now, no run recorded, no server started
+        from training.evaluate import check_precision
+
+        check_precision(config)
         if config.distill.enabled:
             from training.models import check_student
 
@@ -588,7 +617,7 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     from training.data.readers import DatasetError
 
     try:
-        check_dataset(config.data)  # a wrong path or column fails here, before a server starts or a run is recorded
+        check_dataset(config.data, config.preprocess)  # a wrong path or column fails here, before a server starts or a run is recorded
     except DatasetError as err:
         parser.exit(2, f"zhflow: error: {err}\n")
     if args.command == "sweep":

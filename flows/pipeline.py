@@ -14,6 +14,7 @@ from prefect.runtime import flow_run
 
 from training.config import ExperimentName, PipelineConfig
 from training.models import check_model, check_student, tokenizer_source
+from training.evaluate import check_precision
 from training.presets import PresetName, on_preset
 from training.paths import check_config_paths
 from tasks.baseline import baseline_model
@@ -27,7 +28,7 @@ from tasks.schedule import scheduled_slot, skipped
 from tasks.tracking import close_pipeline_run, fail_open_runs, open_pipeline_run, open_stage_run
 from tasks.train import train_model, with_limits
 
-REPORTED = ("file_size_ratio", "speedup_b1", "speedup_b64", "test_macro_f1_change", "after_params", "after_file_bytes",
+REPORTED = ("removed_params", "file_size_ratio", "speedup_b1", "speedup_b64", "test_macro_f1_change", "after_params", "after_file_bytes",
             "after_sparsity_prunable", "after_latency_b64_p50_ms")
 
 
@@ -54,6 +55,7 @@ def train_pipeline(config: Optional[PipelineConfig] = None, experiment: Experime
     config = on_preset(config, preset)
     check_config_paths(config)  # a path from the form may not leave the allowed folders
     check_model(config.model)  # a pretrained checkpoint that cannot be loaded: refused before any run is opened
+    check_precision(config)  # fp16 without CUDA: the same
     if config.distill.enabled:
         check_student(config.distill.student, config.model)
     parent = open_pipeline_run(config, experiment)

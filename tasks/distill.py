@@ -166,7 +166,8 @@ def train_student(config: PipelineConfig, prepared: dict, parent: dict, teacher_
         if teacher_probs:
             mlflow.log_params({"distill.temperature": d.temperature, "distill.alpha": d.alpha})
         return launch_worker(stage, config, prepared, run.info.run_id, Path(parent["work_dir"]) / stage,
-                             cpus=cpus, gpus=gpus, model=d.student, train=d.train, **extra)
+                             cpus=cpus, gpus=gpus, model=d.student, train=d.train,
+                             epochs_setting="distill.train.epochs", **extra)
 
 
 def distil(config: PipelineConfig, prepared: dict, parent: dict, trained_checkpoint: str | None,

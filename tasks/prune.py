@@ -18,12 +18,17 @@ from training.config import PipelineConfig, flatten
 from training.evaluate import load_model, split_macro_f1
 from training.models import family_of
 from training.measure import measure_checkpoint, plot_pruning_tradeoff
-from training.prune import prune
+from training.prune import prune, sparsity
 from tasks.tracking import close_pipeline_run, stage_run
 from tasks.train import launch_worker
 
 SUMMARY_KEYS = ("params", "nonzero_params", "sparsity_prunable", "file_bytes",
                 "latency_b1_p50_ms", "latency_b1_p95_ms", "latency_b64_p50_ms", "latency_b64_p95_ms")
+
+
+def _nonzero(model) -> int:
+    """Parameters that are not exactly zero (a structured prune removes them, an unstructured one zeroes them)."""
+    return sum(int((p != 0).sum()) for p in model.parameters())
 
 
 def _val_macro_f1(model, cfg, prepared: dict, config: PipelineConfig) -> float:
@@ -42,7 +47,18 @@ def prune_round(config: PipelineConfig, checkpoint: str, prepared: dict, prune_p
         mlflow.log_params({"prune.method": p.method, "prune.round": round_no, "prune.round_amount": round(amount, 6)})
         model, cfg, state = load_model(checkpoint)
         val_before = _val_macro_f1(model, cfg, prepared, config)
+        kept_before = _nonzero(model)
         model, new_cfg = prune(model, cfg, p.method, amount, p.include_embedding, reference=config.model)
+        removed = kept_before - _nonzero(model)
+        mlflow.log_metric("removed_params", removed)
+        if removed == 0:  # already sparser than asked (a fastText table's unseen rows are zeros): nothing to fine-tune
+            get_run_logger().warning(
+                "round %d: %s to %.0f%% removed no weight: the model's prunable weights were already %.1f%% zeros; "
+                "the model goes on unchanged (raise prune.amount above that to prune it)", round_no, p.method,
+                100 * amount, 100 * sparsity(model, p.include_embedding)["sparsity_prunable"])
+            return {"checkpoint": checkpoint, "best_val_macro_f1": val_before, "finetuned": False, "removed": 0,
+                    "round": round_no, "amount": amount, "run_id": run.info.run_id, "val_macro_f1_after_prune": val_before,
+                    "model_config": cfg.model_dump(), "measured": None}
         val_pruned = _val_macro_f1(model, new_cfg, prepared, config)
         pruned = out / "pruned.pt"
         save_checkpoint(pruned, {**state, "model": model.state_dict(), "model_config": new_cfg.model_dump(),
@@ -64,7 +80,7 @@ def prune_round(config: PipelineConfig, checkpoint: str, prepared: dict, prune_p
             round_no, p.method, 100 * amount, measured["sparsity_prunable"], measured["params"], measured["file_bytes"] / 1e3,
             val_before, val_pruned, result["best_val_macro_f1"],
         )
-        return {**result, "round": round_no, "amount": amount, "run_id": run.info.run_id, "val_macro_f1_after_prune": val_pruned,
+        return {**result, "removed": removed, "round": round_no, "amount": amount, "run_id": run.info.run_id, "val_macro_f1_after_prune": val_pruned,
                 "model_config": new_cfg.model_dump(), "measured": {k: measured[k] for k in SUMMARY_KEYS}}
 
 
@@ -75,6 +91,8 @@ def prune_report(config: PipelineConfig, trained: dict, evaluated_trained: dict,
     p = config.prune
     # both measured here, back to back, so that the latency ratio holds on a busy machine; without rounds the final
     # model is the trained one, measured once (timing a pretrained encoder twice cost minutes for a ratio of 1)
+    run_ids = [r["run_id"] for r in rounds]
+    rounds = [r for r in rounds if r["removed"]]  # a round that removed nothing left the model as it was
     checkpoints = [trained["best_checkpoint"]] + ([evaluated["checkpoint"]] if rounds else [])
     measured = [{k: m[k] for k in SUMMARY_KEYS} for m in (
         measure_checkpoint(ckpt, prepared["path"], config.preprocess.max_len, p.latency_threads) for ckpt in checkpoints)]
@@ -82,6 +100,7 @@ def prune_report(config: PipelineConfig, trained: dict, evaluated_trained: dict,
     f1_before, f1_after = evaluated_trained["metrics"]["test_macro_f1"], evaluated["metrics"]["test_macro_f1"]
     metrics = ({f"before_{k}": v for k, v in before.items()} | {f"after_{k}": v for k, v in after.items()} | {
         "test_macro_f1_before": f1_before, "test_macro_f1_after": f1_after, "test_macro_f1_change": f1_after - f1_before,
+        "removed_params": before["nonzero_params"] - after["nonzero_params"],
         "file_size_ratio": before["file_bytes"] / after["file_bytes"],
         "params_ratio": before["params"] / after["params"],
         "speedup_b1": before["latency_b1_p50_ms"] / after["latency_b1_p50_ms"],
@@ -101,4 +120,4 @@ def prune_report(config: PipelineConfig, trained: dict, evaluated_trained: dict,
     get_run_logger().info(
         "%s pruning to %.0f%%: test macro-F1 %.4f -> %.4f, file %.2fx smaller, batch-64 latency %.2fx faster",
         p.method, 100 * p.amount, f1_before, f1_after, metrics["file_size_ratio"], metrics["speedup_b64"])
-    return {"run_id": prune_parent["run_id"], "metrics": metrics, "rounds": [r["run_id"] for r in rounds]}
+    return {"run_id": prune_parent["run_id"], "metrics": metrics, "rounds": run_ids}

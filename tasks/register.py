@@ -212,9 +212,10 @@ def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, pare
     digest = manifest["splits"]["test"]["content_digest"]
     labels = labels_digest(manifest["labels"])
     f1 = evaluated["metrics"]["test_macro_f1"]
-    kind = evaluated.get("kind", "neural")
+    kind = evaluated.get("kind", "neural")  # how it is served; the candidate's name says which model it is
+    candidate = "distilled" if evaluated.get("teacher") else kind
     with stage_run(parent, "register") as run, tempfile.TemporaryDirectory() as tmp:
-        if config.registry.enabled and (earlier := _slot_taken(MlflowClient(), name, slot, {"run_id": run.info.run_id, "kind": kind})):
+        if config.registry.enabled and (earlier := _slot_taken(MlflowClient(), name, slot, {"run_id": run.info.run_id, "kind": candidate})):
             return earlier  # checked again under the lock below; this only saves logging a model for nothing
         classifier, artifacts = served_classifier(config, evaluated, prepared, Path(tmp))
         # bf16 where this CPU runs it faster and its labels agree with fp32's on the test texts (checked here)
@@ -231,14 +232,14 @@ def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, pare
             name="model", python_model=str(Path(training.__file__).parent / "pyfunc_model.py"), artifacts=artifacts, signature=signature, input_example=EXAMPLE,
             pip_requirements=_requirements(config, evaluated), code_paths=[str(Path(training.__file__).parent)],
         )
-        mlflow.set_tag("candidate", kind)
-        result = {"name": name, "version": None, "uri": info.model_uri, "alias": None, "run_id": run.info.run_id, "kind": kind}
+        mlflow.set_tag("candidate", candidate)
+        result = {"name": name, "version": None, "uri": info.model_uri, "alias": None, "run_id": run.info.run_id, "kind": candidate}
         if not config.registry.enabled:
             return result
         client = MlflowClient()
         # repr: the exact float, so that the next run compares the same number (a rounded tag made ties "win")
         tags = ({F1_TAG: repr(float(f1)), SPLIT_TAG: digest, LABELS_TAG: labels, DATASET_TAG: dataset_id(manifest),
-                 "candidate": kind, "parent_run_id": parent["run_id"]}
+                 "candidate": candidate, "parent_run_id": parent["run_id"]}
                 | {k: str(v) if not isinstance(v, float) else repr(v) for k, v in (evaluated.get("teacher") or {}).items()} | ({SLOT_TAG: slot} if slot else {}))
         with registry_lock(name):  # the slot check, the registration and the alias move are one step
             if earlier := _slot_taken(client, name, slot, result):

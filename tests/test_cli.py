@@ -3,6 +3,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ZHFLOW = str(Path(sys.executable).with_name("zhflow"))
 
@@ -15,14 +16,33 @@ ZHFLOW = str(Path(sys.executable).with_name("zhflow"))
         (["--nproc", "0"], "train.nproc"),
         (["--model", "gpt"], "model.name"),
         (["--set", "prune.amount=1.5"], "prune.amount"),
+        # checks across settings: the message names the setting, without pydantic's prefix or the whole config
+        (["--distill", "trained", "--set", "select.candidates=linear"], "error: distill.teacher: 'trained' is the run's neural model"),
+        (["--set", "train.strategy=fsdp"], "error: train.strategy: fsdp shards"),
+        (["--model", "textcnn", "--pretrained", "some/model"], "--pretrained fine-tunes a pretrained checkpoint"),
+        pytest.param(["--set", "train.precision=fp16"], "error: train.precision: fp16 needs a CUDA device",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is accepted where CUDA is")),
     ],
 )
 def test_bad_settings_fail_before_any_work(args, message, tmp_path):
     out = subprocess.run([ZHFLOW, "run", "--preset", "tiny", *args], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == 2
     assert message in out.stderr
-    assert "Traceback" not in out.stderr
+    assert "Traceback" not in out.stderr and "Value error" not in out.stderr and "{'data'" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / ".zhflow").exists()  # nothing started
+
+
+def test_zhflow_distill_refuses_the_teacher_only_zhflow_run_trains(tmp_path):
+    out = subprocess.run([ZHFLOW, "distill", "--preset", "tiny", "--teacher", "trained"], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert out.returncode == 2 and "error: distill.teacher: 'trained' is the model `zhflow run --distill trained`" in out.stderr
+    assert "select.candidates" not in out.stderr  # advice for zhflow run does not fit this command
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+TWO_CLASSES = "text,label\n" + "".join(f"{t},positive\n" for t in ("很好看", "不错啊", "值得买", "挺喜欢")) + "".join(
+    f"{t},negative\n" for t in ("太差了", "不好用", "很失望", "退货了"))
 
 
 @pytest.mark.parametrize(
@@ -31,6 +51,11 @@ def test_bad_settings_fail_before_any_work(args, message, tmp_path):
         (lambda p: None, "is neither a built-in corpus"),
         (lambda p: p.write_text("review,label\n好看,positive\n很差,negative\n", encoding="utf-8"), "no column 'text'"),
         (lambda p: p.write_text("text,label\n好看,positive\n不错,positive\n", encoding="utf-8"), "only one class"),
+        (lambda p: p.write_text(TWO_CLASSES + "还行吧,中性\n一般般,中性\n", encoding="utf-8"),
+         "classes too small to appear in every split (need 3 texts each): '中性' has 2"),
+        # every 中性 row empty once cleaned, or the text of a row of another label: the class is gone, not dropped quietly
+        (lambda p: p.write_text(TWO_CLASSES + "\u200b\u200b,中性\n   ,中性\n很好看,中性\n", encoding="utf-8"),
+         "no text of class '中性' is left after cleaning and deduplication"),
     ],
 )
 def test_bad_dataset_fails_before_prefect_or_mlflow_start(make_file, message, tmp_path):

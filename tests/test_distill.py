@@ -104,7 +104,7 @@ def test_a_served_teacher_is_read_in_this_datas_label_order_and_other_labels_are
 def test_the_settings_refuse_what_cannot_teach():
     with pytest.raises(ConfigError, match="distill.teacher.*'bert' is neither"):
         validate({"distill": {"teacher": ["bert"]}})
-    with pytest.raises(ConfigError, match="keep neural in select.candidates"):
+    with pytest.raises(ConfigError, match="distill.teacher: 'trained' is the run's neural model: keep neural in select.candidates"):
         validate({"distill": {"enabled": True, "teacher": ["trained"]}, "select": {"candidates": ["linear"]}})
     with pytest.raises(ConfigError, match="list at least one"):
         validate({"select": {"candidates": []}})
@@ -165,6 +165,7 @@ def test_a_run_distils_a_student_and_zhflow_distill_learns_from_a_registered_mod
     assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
     second = json.loads(out2.read_text())
     assert set(second["candidates"]) == {"distilled"} and second["selected"] == "distilled"
+    assert second["model"]["kind"] == "distilled"  # the summary names the registered candidate, not how it is served
     assert second["metrics"]["distill_distilled_test_macro_f1"] > 0.8
     mlflow.set_tracking_uri(store)
     try:
@@ -177,6 +178,7 @@ def test_a_run_distils_a_student_and_zhflow_distill_learns_from_a_registered_mod
         assert stages == {"train_alone", "evaluate_alone", "train_student", "evaluate_student"}  # nothing to compare with
         version = client.get_model_version(second["model"]["name"], second["model"]["version"])
         assert version.tags["teacher"] == f"baseline,{uri}" and float(version.tags["teacher_test_macro_f1"]) > 0.8
+        assert version.tags["candidate"] == "distilled"
     finally:
         mlflow.set_tracking_uri(None)
 

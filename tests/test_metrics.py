@@ -92,6 +92,18 @@ def test_three_classes_have_no_curves(mlflow_store):
     assert {a.path for a in MlflowClient().list_artifacts(run.info.run_id)} == ARTIFACTS
 
 
+def test_a_class_the_model_never_predicts_is_counted_and_named(mlflow_store):
+    labels = ["正常", "投诉", "咨询"]
+    y_true = [0, 0, 0, 1, 2, 2]
+    probs = np.array([[0.9, 0.05, 0.05]] * 4 + [[0.1, 0.2, 0.7]] * 2)  # the rare 投诉 text read as 正常
+    with mlflow.start_run() as run:
+        metrics = log_evaluation(y_true, probs, labels, [f"工单{i}" for i in range(6)], "rare")
+    assert metrics["test_classes_never_predicted"] == 1.0
+    assert MlflowClient().get_run(run.info.run_id).data.tags["test_classes_never_predicted"] == "投诉"
+    with mlflow.start_run():
+        assert log_evaluation([0, 1], np.eye(2), ["a", "b"], ["x", "y"], "all")["test_classes_never_predicted"] == 0.0
+
+
 def test_log_evaluation_names_a_shape_mismatch(mlflow_store):
     with mlflow.start_run(), pytest.raises(ValueError, match=r"one column per label \(2, 3\)"):
         log_evaluation([0, 1], np.ones((2, 2)) / 2, ["a", "b", "c"], ["x", "y"], "bad")

@@ -113,6 +113,24 @@ def test_a_hub_id_that_cannot_be_fetched_is_one_clear_line_and_nothing_is_record
     assert missing.returncode == 2 and "no such folder" in missing.stderr
 
 
+def test_a_folder_that_is_not_a_whole_checkpoint_is_refused_naming_what_it_lacks(tiny_bert, tmp_path):
+    """A local folder is never sent to the hub; without a tokenizer vocabulary, AutoTokenizer would build one of
+    special tokens only and every text would train as [UNK]."""
+    import shutil
+
+    no_tokenizer, no_config = tmp_path / "no-tokenizer", tmp_path / "no-config"
+    no_tokenizer.mkdir(), no_config.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_bert / name, no_tokenizer / name)
+    (no_config / "readme.txt").write_text("hello")
+    for folder, lacks in ((no_tokenizer, "no tokenizer vocabulary"), (no_config, "no config.json")):
+        out = _zhflow(["run", "--preset", "tiny", "--pretrained", str(folder)], tmp_path)
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert f"model.pretrained: '{folder}' is a folder but not a checkpoint" in out.stderr and lacks in out.stderr
+        assert "hf download" not in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "mlflow.db").exists()
+
+
 @pytest.mark.slow
 def test_fine_tuning_a_local_checkpoint_with_two_processes_registers_and_serves(tiny_bert, reviews, tmp_path, prefect_api):
     """`zhflow run --pretrained FOLDER` end to end: 2 DDP processes on gloo, evaluation, registration; the served model
@@ -157,6 +175,8 @@ def test_fine_tuning_a_local_checkpoint_with_two_processes_registers_and_serves(
         hf = AutoModelForSequenceClassification.from_pretrained(folder).eval()
         tokenizer = AutoTokenizer.from_pretrained(folder)
         assert hf.config.id2label == {0: "negative", 1: "positive"}
+        assert tokenizer.model_max_length == hf.config.max_position_embeddings  # truncation=True fits the model
+        assert tokenizer("好" * 500, truncation=True, return_tensors="pt")["input_ids"].shape[1] == tokenizer.model_max_length
         with torch.no_grad():
             logits = hf(**tokenizer(["这本书非常好看，值得一读"], return_tensors="pt")).logits
         assert hf.config.id2label[int(logits.argmax())] == "positive"

@@ -475,7 +475,7 @@ class PipelineConfig(_Section):
         if not self.select.candidates and not self.distill.enabled:
             raise ValueError("select.candidates: list at least one (neural, linear, ensemble), or enable distill")
         if self.distill.enabled and "trained" in self.distill.teacher and "neural" not in self.select.candidates:
-            raise ValueError("distill.teacher 'trained' is the run's neural model: keep neural in select.candidates, "
+            raise ValueError("distill.teacher: 'trained' is the run's neural model: keep neural in select.candidates, "
                              "or choose another teacher")
         return self
 
@@ -579,9 +579,13 @@ def _describe(err: ValidationError, prefix: str = "") -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
         field = f"{prefix}.{loc}" if prefix and loc else (prefix or loc)
+        msg = e["msg"].removeprefix("Value error, ")  # zhflow's own checks: their message is the whole story
+        if not loc and e["type"] == "value_error":  # a check across settings: its message names them; its input is all
+            lines.append(f"{prefix}: {msg}" if prefix else msg)
+            continue
         value = e.get("input")
         got = f"{value[:40]!r}... ({len(value)} characters)" if isinstance(value, str) and len(value) > 60 else repr(value)
-        lines.append(f"{field}: {e['msg']} (got {got})")
+        lines.append(f"{field}: {msg} (got {got})")
     return "; ".join(lines)
 
 

@@ -65,6 +65,17 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
+def check_precision(config) -> None:
+    """fp16 on a machine without CUDA: refused before any work (the worker would refuse it on every rank, and
+    torchrun restart it for nothing)."""
+    from training.config import ConfigError
+
+    for field, train in (("train", config.train), ("distill.train", config.distill.train)):
+        if train.precision == "fp16" and (field == "train" or config.distill.enabled) and not torch.cuda.is_available():
+            raise ConfigError(f"{field}.precision: fp16 needs a CUDA device (its gradient scaler is CUDA's) and this "
+                              "machine has none; use bf16 or fp32")
+
+
 def autocast(precision: str, device: torch.device):
     dtype = autocast_dtype(precision, device)
     return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)

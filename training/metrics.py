@@ -197,6 +197,10 @@ def log_evaluation(
                          f"({len(y_true)}, {len(labels)})")
     y_pred = probs.argmax(1)
     metrics = classification_metrics(y_true, y_pred, prefix=prefix)
+    never = sorted(set(y_true.tolist()) - set(y_pred.tolist()))  # a class the model never gives (a rare one, often)
+    metrics[f"{prefix}classes_never_predicted"] = float(len(never))
+    if never:
+        mlflow.set_tag(f"{prefix}classes_never_predicted", ", ".join(labels[i] for i in never)[:5000])
     heading = f"{title}: macro-F1 {metrics[f'{prefix}macro_f1']:.4f}"
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)

@@ -590,7 +590,8 @@ class Trainer(RankZeroOutput):
                        + (" (best)" if improved else f" (no gain {self.bad_epochs}/{t.patience})"))
         if self._saved_epoch != self.epoch:  # the epochs since the last checkpoint, before their metrics are sent
             self._save_last()
-        still_improving = stop_reason != "converged" and self.improving_at_end
+        # one epoch is always its own best: that says nothing about a trend (a pruning round's one fine-tune epoch)
+        still_improving = stop_reason != "converged" and self.improving_at_end and self.epoch > 1
         setting = self.job.epochs_setting if stop_reason == "max_epochs" else "train.timeout_minutes"
         self.print(STOP_MESSAGES[stop_reason].format(epoch=self.epoch, best=self.best_epoch, patience=t.patience, setting=setting)
                    + (f" WARNING: validation was still improving; raise {setting}." if still_improving else ""))

@@ -59,7 +59,14 @@ def dedupe(texts: list[str], labels: list[str]) -> tuple[list[int], dict[str, in
     }
 
 
-def _check_classes(counts: Counter, where: str, splits: int = len(SPLITS)) -> None:
+def _check_classes(counts: Counter, where: str, splits: int = len(SPLITS), listed: set[str] | None = None) -> None:
+    """``listed``: the labels of the file's rows; one with no text left is an error, not a class silently dropped."""
+    gone = sorted((listed or set()) - set(counts))
+    if gone:
+        raise DatasetError(
+            f"{where}: no text of class {', '.join(map(repr, gone))} is left after cleaning and deduplication (each "
+            f"was empty once cleaned, or the same text as a row of another label, which drops both); every class needs "
+            f"at least {splits} distinct texts")
     if len(counts) < 2:
         only = next(iter(counts), None)
         raise DatasetError(f"{where}: only one class ({only!r}) after cleaning and deduplication; need at least two")
@@ -156,13 +163,19 @@ def _unlabelled(path: Path, pre: PreprocessConfig, labelled: set[str], segmenter
                        "unlabelled_repeats_dropped": dropped["repeat"], "unlabelled_in_labelled_data_dropped": dropped["labelled"]}}
 
 
-def check_dataset(data: DataConfig) -> None:
-    """The checks a user's file fails most often, in a second, before any orchestration starts:
-    it exists, decodes, has the columns and labels, and more than one class (test file included)."""
+def check_dataset(data: DataConfig, pre: PreprocessConfig | None = None) -> None:
+    """The checks a user's file fails most often, in seconds, before any orchestration starts: it exists, decodes,
+    has the columns and labels, more than one class (test file included), and, cleaned and deduplicated as
+    preprocessing will, enough texts of every class for the splits."""
     for dataset in filter(None, (data.dataset, data.test_dataset)):
         raw = _read(data, dataset)
         if dataset == data.dataset and len(set(raw.labels)) < 2:
             raise DatasetError(f"{raw.source}: only one class ({raw.labels[0]!r}); need at least two")
+        if dataset == data.dataset:  # about 20 microseconds a text
+            texts, labels, _, _ = _clean(raw, pre or PreprocessConfig())
+            keep, _ = dedupe(texts, labels)
+            _check_classes(Counter(labels[i] for i in keep), raw.source, splits=2 if data.test_dataset else len(SPLITS),
+                           listed=set(raw.labels))
 
 
 def sort_labels(labels: set[str]) -> list[str]:
@@ -217,13 +230,13 @@ def prepare_dataset(
         unknown = sorted(set(t_labels) - set(labels))
         if unknown:
             raise DatasetError(f"{test_raw.source}: labels not in the training data: {', '.join(map(repr, unknown))}")
-        _check_classes(Counter(labels), raw.source, splits=2)
+        _check_classes(Counter(labels), raw.source, splits=2, listed=set(raw.labels))
         inner = stratified_split(texts, labels, data.val_ratio, 0.0, data.seed, data.max_samples)
         n = len(texts)
         texts, labels, originals = texts + t_texts, labels + t_labels, originals + t_originals
         split_idx = {"train": inner["train"], "val": inner["val"], "test": list(range(n, len(texts)))}
     else:
-        _check_classes(Counter(labels), raw.source)
+        _check_classes(Counter(labels), raw.source, listed=set(raw.labels))
         split_idx = stratified_split(texts, labels, data.val_ratio, data.test_ratio, data.seed, data.max_samples)
     counts |= {"kept": len(texts), "used": sum(len(v) for v in split_idx.values())}
 

@@ -15,6 +15,7 @@ config, never assumed.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,7 +62,7 @@ def _unavailable(source: str, err: Exception) -> PretrainedError:
     offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") else ""
     return PretrainedError(
         f"model.pretrained: {source!r} is not a local folder and not in the Hugging Face cache ({home}), and it could "
-        f"not be downloaded{offline}: {reason}. Make it available: give a local folder in the save_pretrained layout "
+        f"not be downloaded{offline}: {reason.rstrip('.')}. Make it available: give a local folder in the save_pretrained layout "
         f"(config.json, weights, tokenizer files), point HF_HOME at a cache that holds it, or download it on a "
         f"connected machine (`hf download {source}`) and copy the folder or the cache here")
 
@@ -81,6 +82,18 @@ def _hub_reachable(timeout: float = 3.0) -> str | None:
         return f"{endpoint.hostname}:{port} cannot be reached ({err})"
 
 
+# a tokenizer's vocabulary as save_pretrained writes it (without one, AutoTokenizer builds the config's tokenizer class
+# with nothing but its special tokens, and every text becomes [UNK])
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model",
+                   "tokenizer.model")
+
+
+def _not_a_checkpoint(folder: Path, why: str) -> PretrainedError:
+    return PretrainedError(f"model.pretrained: {str(folder)!r} is a folder but not a checkpoint in the save_pretrained "
+                           f"layout: {why} (a checkpoint folder holds config.json, the weights and the tokenizer's "
+                           f"files, as model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR) write them)")
+
+
 def _load(kind: str, source: str):
     """``transformers.<kind>.from_pretrained(source)``: a local folder or the cache first, the hub only if it answers."""
     import transformers
@@ -90,7 +103,10 @@ def _load(kind: str, source: str):
         try:
             return cls.from_pretrained(source, local_files_only=True)
         except (OSError, ValueError) as err:
-            if Path(source).expanduser().is_dir() or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+            if Path(source).expanduser().is_dir():
+                reason = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+                raise _not_a_checkpoint(Path(source).expanduser(), reason.rstrip(".")) from None
+            if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
                 raise _unavailable(source, err) from None
         if (why := _hub_reachable()) is not None:
             raise _unavailable(source, OSError(why)) from None
@@ -117,6 +133,11 @@ def check_source(source: str | None) -> None:
     if not folder.is_dir() and (source.startswith((".", "/", "~")) or folder.exists()):
         raise PretrainedError(f"model.pretrained: {source!r}: no such folder (a local checkpoint is a folder in the "
                               "save_pretrained layout; anything else is taken as a hub id)")
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise _not_a_checkpoint(folder, "it has no config.json")
+        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            raise _not_a_checkpoint(folder, "it has no tokenizer vocabulary (none of " + ", ".join(TOKENIZER_FILES) + ")")
     load_config(source)
 
 
@@ -288,6 +309,16 @@ class Pretrained(Family):
         with _quiet():
             hf.save_pretrained(out_dir)
         shutil.copytree(Path(prepared_dir) / TOKENIZER_DIR, out_dir, dirs_exist_ok=True)
+        # the tokenizer's limit: the position table's, so that `tokenizer(text, truncation=True)` outside zhflow fits
+        positions = hf.config.max_position_embeddings
+        if getattr(hf.config, "model_type", "") in ROBERTA_LIKE:
+            positions -= (hf.config.pad_token_id or 0) + 1
+        settings = out_dir / "tokenizer_config.json"
+        if settings.is_file():
+            values = json.loads(settings.read_text(encoding="utf-8"))
+            if not values.get("model_max_length") or values["model_max_length"] > positions:
+                values["model_max_length"] = int(positions)
+                settings.write_text(json.dumps(values, ensure_ascii=False, indent=2), encoding="utf-8")
         return str(out_dir)
 
     def served_artifacts(self, prepared_dir) -> dict[str, str]:
