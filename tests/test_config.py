@@ -36,6 +36,10 @@ def test_set_reaches_exactly_that_field():
         ("model.name=gpt", "model.name"),
         ("data.test_ratio=0.5", "data.test_ratio"),
         ("lr=3", "section.key=value"),
+        # a list element it refuses, and what it takes (not "Input should be a valid list")
+        ("select.candidates=linear,foo", "select.candidates.1: Input should be 'neural', 'linear' or 'ensemble' (got 'foo')"),
+        ("select.candidates=[linear,foo]", "select.candidates.1: Input should be 'neural', 'linear' or 'ensemble'"),
+        ("model.kernel_sizes=3,x", "model.kernel_sizes.1: Input should be a valid integer"),
     ],
 )
 def test_bad_overrides_name_the_field(override, field):

@@ -7,7 +7,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, get_origin
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
@@ -29,6 +30,11 @@ def _parse_value(raw: str, annotation: Any) -> Any:
             return attempt(raw)
         except ValidationError:
             continue
+    if get_origin(annotation) is list:  # validation then names the element it refuses and what it takes
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return [part.strip().strip("'\"") for part in raw.strip("[]").split(",") if part.strip()]
     return raw
 
 
