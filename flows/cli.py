@@ -508,8 +508,10 @@ def _print_summary(summary: dict) -> None:
     candidates = Table(title="candidates (chosen by validation macro-F1; test only scores them)")
     for column in ("candidate", "val macro-F1", "test macro-F1", "test accuracy", ""):
         candidates.add_column(column)
+    vals = [c["val_macro_f1"] for c in summary["candidates"].values()]
+    near_tie = len({f"{v:.4f}" for v in vals}) < len(set(vals))  # two that differ only past 4 decimals: show 6
     for name, c in summary["candidates"].items():
-        candidates.add_row(name, f"{c['val_macro_f1']:.4f}", f"{c['test_macro_f1']:.4f}", f"{c['test_accuracy']:.4f}",
+        candidates.add_row(name, f"{c['val_macro_f1']:.6f}" if near_tie else f"{c['val_macro_f1']:.4f}", f"{c['test_macro_f1']:.4f}", f"{c['test_accuracy']:.4f}",
                            "registered" if name == summary["selected"] else "")
     candidates.add_row("reference: char TF-IDF + SVM", "", f"{m['baseline_test_macro_f1']:.4f}",
                        f"{m['baseline_test_accuracy']:.4f}", "")

@@ -134,10 +134,13 @@ def _move_alias_locked(client: MlflowClient, name: str, version: str, f1: float,
     else:
         champion_f1 = _champion_f1_on(client, name, champion, prepared, digest)
         # the same unrounded numbers on both sides: a model that only equals the champion does not replace it
+        same = f"{f1:.4f}" == f"{champion_f1:.4f}"  # 4 decimals, as the summary shows; the exact ones where those agree
+        ours, theirs = (repr(f1), repr(champion_f1)) if same else (f"{f1:.4f}", f"{champion_f1:.4f}")
+        on = "test macro-F1 on this run's test split"
         if f1 > champion_f1:
-            alias, reason = "champion", f"beats version {champion.version} ({f1!r} > {champion_f1!r})"
+            alias, reason = "champion", f"beats version {champion.version}: {on} {ours} > {theirs}"
         else:
-            alias, reason = "challenger", f"does not beat version {champion.version} ({f1!r} <= {champion_f1!r})"
+            alias, reason = "challenger", f"does not beat version {champion.version}: {on} {ours} <= {theirs}"
     client.set_registered_model_alias(name, alias, version)
     return alias, reason, champion_f1
 

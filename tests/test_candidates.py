@@ -193,6 +193,7 @@ def test_ties_keep_the_champion_and_each_task_gets_its_own_registered_model(pref
     assert str(client.get_model_version_by_alias("zhflow-reviews", "champion").version) == "1"
     assert client.get_model_version("zhflow-reviews", "2").tags["test_macro_f1"] == repr(runs[1]["f1"])  # exact, unrounded
     assert "does not beat" in runs[2]["alias_reason"]
+    assert runs[2]["alias_reason"].endswith(f"{runs[2]['f1']!r} <= {runs[0]['f1']!r}")  # equal at 4 decimals: exact ones
 
     other = register(topics_cfg, str(topics), 1)[0]
     assert other["name"] == "zhflow-news" and other["alias"] == "champion"
