@@ -381,6 +381,9 @@ def predict_command(args: argparse.Namespace) -> int:
         cells += [f"{r[k]:.4f}" for k in probs] if len(probs) <= 4 else [f"{r.get('prob_' + str(r['label']), max(r[k] for k in probs)):.4f}"]
         table.add_row(*cells)
     Console().print(table)
+    if blank := sum(1 for t in texts if not t.strip()):
+        print(f"note: {blank} blank text(s): their label says nothing about a text (the model's answer to no input)",
+              file=sys.stderr)
     if len(probs) > 4 and not args.json_out:
         print(f"({len(probs)} classes: --json-out FILE writes every class's probability)")
     return 0

@@ -408,8 +408,9 @@ class DistillConfig(_Section):
     student: ModelConfig = Field(default_factory=ModelConfig, title="Student", description="The student's family and sizes (any family; by default the preset's own model).")
     train: TrainConfig = Field(default_factory=TrainConfig, title="Student training",
                                  description="How the student is trained (the same DDP worker, resumable like training).")
-    temperature: float = Field(2.0, gt=0, le=100, allow_inf_nan=False, title="Temperature",
-                               description="Softens teacher and student probabilities in the distillation term (T; the term is scaled by T squared).")
+    temperature: float = Field(2.0, ge=0.5, le=100, allow_inf_nan=False, title="Temperature",
+                               description="Softens teacher and student probabilities in the distillation term (T; the term is scaled by T squared). "
+                                           "At least 0.5: far below 1 the teacher's probabilities become one-hot and the term, scaled by T squared, vanishes.")
     alpha: float = Field(0.7, ge=0, le=1, title="Alpha",
                          description="Weight of the distillation term; 1 - alpha weighs the cross-entropy on the labels.")
     augment_copies: int = Field(

@@ -587,7 +587,8 @@ class Trainer(RankZeroOutput):
                       samples_per_second=self._epoch_rate, **val)
             self.print(f"epoch {self.epoch}/{t.epochs} done in {epoch_s:.1f}s: train loss {train_loss:.4f}, "
                        f"val macro-F1 {val['val_macro_f1']:.4f}, val acc {val['val_accuracy']:.4f}"
-                       + (" (best)" if improved else f" (no gain {self.bad_epochs}/{t.patience})"))
+                       + (" (best)" if improved else f" (no gain {self.bad_epochs}/{t.patience})" if self.step >= t.min_steps
+                          else f" (no gain; not counted before step {t.min_steps}, train.min_steps)"))
         if self._saved_epoch != self.epoch:  # the epochs since the last checkpoint, before their metrics are sent
             self._save_last()
         # one epoch is always its own best: that says nothing about a trend (a pruning round's one fine-tune epoch)
