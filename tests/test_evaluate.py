@@ -243,3 +243,15 @@ def test_the_logged_model_carries_no_pickle_and_loads_with_pickles_refused(store
     assert "model_code_path" in flavor and "python_model" not in flavor
     predicted = mlflow.pyfunc.load_model(store["model"]["uri"]).predict(["质量很好，物流也快"])
     assert list(predicted["label"]) in (["positive"], ["negative"])
+
+
+def test_predict_gives_one_row_per_input_line_blank_ones_included(store, tmp_path, capsys):
+    lines = ["质量很好，物流也快", "", "太差了，再也不买"]
+    (tmp_path / "texts.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "labels.jsonl"
+    assert zhflow(["predict", "--model-uri", store["model"]["uri"], "--input", str(tmp_path / "texts.txt"),
+                   "--json-out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [r["text"] for r in rows] == lines  # row n is line n
+    assert all(abs(r["prob_negative"] + r["prob_positive"] - 1) < 1e-5 for r in rows)
+    assert "1 blank text(s)" in capsys.readouterr().err
