@@ -179,3 +179,46 @@ def test_measurements_and_tradeoff_plot(tmp_path, small_csv):
     assert pruned["params"] < 0.6 * dense["params"]
     png = plot_pruning_tradeoff([(0.0, 0.8, 5.0, 9e5), (0.5, 0.79, 2.0, 4e5)], tmp_path / "t.png", "structured")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_round_that_removes_no_weight_is_not_fine_tuned_and_the_report_says_nothing_changed(tmp_path, small_csv, mlflow_store, prefect_server):
+    """fastText's tables start at zero and keep zeros in every row no text touched: a model already sparser than the
+    round asks loses nothing to it; no fine-tuning epoch, the same checkpoint, ratios of exactly 1."""
+    import mlflow
+    from prefect import flow
+
+    from tasks.prune import prune_report, prune_round
+    from tasks.tracking import open_stage_run
+    from training.data.prepare import load_manifest, prepare_dataset
+    from training.overrides import apply_overrides
+    from training.presets import tiny
+
+    cfg = apply_overrides(tiny(), [f"data.dataset={small_csv}", "data.max_samples=null", "model.name=fasttext",
+                                   "model.buckets=4096", "prune.amount=0.3"])
+    prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "prepared")
+    manifest = load_manifest(tmp_path / "prepared")
+    vocab = {"word": manifest["vocab_size"], "char": manifest["char_vocab_size"]}
+    model = build_model(cfg.model, vocab, 2)
+    assert sparsity(model)["sparsity_prunable"] > 0.3  # the zero tables
+    checkpoint = str(tmp_path / "trained.pt")
+    save_checkpoint(checkpoint, {"model_config": cfg.model.model_dump(), "vocab_sizes": vocab, "num_classes": 2,
+                                 "model": model.state_dict()})
+    prepared = {"path": str(tmp_path / "prepared")}
+
+    @flow
+    def pruning():
+        run = mlflow.MlflowClient().create_run(mlflow.set_experiment("prune-noop").experiment_id)  # the pipeline's parent
+        parent = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id, "experiment": "prune-noop",
+                  "work_dir": str(tmp_path / "work")}
+        prune_parent = open_stage_run(parent, "prune")
+        done = prune_round(cfg, checkpoint, prepared, prune_parent, 1, 0.3)
+        evaluated = {"checkpoint": done["checkpoint"], "metrics": {"test_macro_f1": 0.5}}
+        trained = {"best_checkpoint": checkpoint, "best_val_macro_f1": 0.5}
+        return done, prune_report(cfg, trained, evaluated, [done], evaluated, prepared, prune_parent)
+
+    done, report = pruning()
+    assert done["removed"] == 0 and not done["finetuned"] and done["checkpoint"] == checkpoint
+    assert not (tmp_path / "work" / "prune" / "prune_round_1" / "finetune").exists()
+    m = report["metrics"]
+    assert m["removed_params"] == 0 and m["speedup_b64"] == m["file_size_ratio"] == 1.0  # measured once: no noise
+    assert mlflow.MlflowClient().get_run(report["rounds"][0]).data.metrics["removed_params"] == 0
