@@ -64,6 +64,9 @@ def mlflow_store(tmp_path: Path, monkeypatch) -> str:
     mlflow.set_tracking_uri(uri)
     yield uri
     mlflow.set_tracking_uri(None)
+    # set_experiment is process-wide: an experiment id of this store must not follow the next test to its store
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
+    mlflow.tracking.fluent._active_experiment_id = None
 
 
 @pytest.fixture(scope="session")

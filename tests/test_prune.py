@@ -207,7 +207,8 @@ def test_a_round_that_removes_no_weight_is_not_fine_tuned_and_the_report_says_no
 
     @flow
     def pruning():
-        run = mlflow.MlflowClient().create_run(mlflow.set_experiment("prune-noop").experiment_id)  # the pipeline's parent
+        client = mlflow.MlflowClient()
+        run = client.create_run(client.create_experiment("prune-noop"))  # the pipeline's parent
         parent = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id, "experiment": "prune-noop",
                   "work_dir": str(tmp_path / "work")}
         prune_parent = open_stage_run(parent, "prune")
