@@ -132,6 +132,13 @@ def test_fixed_test_dataset_is_the_test_split_and_never_leaks(tmp_path):
     with pytest.raises(DatasetError, match="labels not in the training data: 'alien'"):
         _prepare(tmp_path, train_file, test_dataset=str(bad_test))
 
+    # a class whose every training text is in the test file: the message says where its texts went
+    third = rows + [("第三类的评论一", "neutral"), ("第三类的评论二", "neutral")]
+    third_file = write_csv(tmp_path / "third.csv", third)
+    third_test = write_csv(tmp_path / "third_test.csv", test_rows + [("第三类的评论一", "neutral"), ("第三类的评论二", "neutral")])
+    with pytest.raises(DatasetError, match=r"'neutral' in .*third\.csv is also in this test file"):
+        _prepare(tmp_path, third_file, test_dataset=str(third_test))
+
 
 def test_normalisation_options():
     assert normalize("订单号 2023123456 已发货", replace_numbers=True) == f"订单号 {NUM_TOKEN} 已发货"

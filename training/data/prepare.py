@@ -229,7 +229,10 @@ def prepare_dataset(
         texts, labels, originals = [texts[i] for i in pool], [labels[i] for i in pool], [originals[i] for i in pool]
         unknown = sorted(set(t_labels) - set(labels))
         if unknown:
-            raise DatasetError(f"{test_raw.source}: labels not in the training data: {', '.join(map(repr, unknown))}")
+            emptied = [u for u in unknown if u in set(raw.labels)]
+            raise DatasetError(f"{test_raw.source}: labels not in the training data: {', '.join(map(repr, unknown))}"
+                               + (f" (every text of {', '.join(map(repr, emptied))} in {raw.source} is also in this "
+                                  "test file, and leaves the training data so that nothing leaks)" if emptied else ""))
         _check_classes(Counter(labels), raw.source, splits=2, listed=set(raw.labels))
         inner = stratified_split(texts, labels, data.val_ratio, 0.0, data.seed, data.max_samples)
         n = len(texts)
