@@ -597,9 +597,10 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         return pretrain_command(parser, args)
     try:
         config = build_config(args)
-        from training.paths import allow_typed, config_paths
+        from training.paths import allow_typed, check_files, config_paths
 
         allow_typed(*config_paths(config))  # the user's own files: only paths from flow parameters are confined
+        check_files(config)  # a missing user dictionary, stop-word, synonym or unlabelled file: one line, nothing recorded
         from training.models import check_model
 
         check_model(config.model)  # a checkpoint that cannot be loaded: one line now, no run recorded, no server started

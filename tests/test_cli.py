@@ -20,6 +20,12 @@ ZHFLOW = str(Path(sys.executable).with_name("zhflow"))
         (["--distill", "trained", "--set", "select.candidates=linear"], "error: distill.teacher: 'trained' is the run's neural model"),
         (["--set", "train.strategy=fsdp"], "error: train.strategy: fsdp shards"),
         (["--model", "textcnn", "--pretrained", "some/model"], "--pretrained fine-tunes a pretrained checkpoint"),
+        (["--set", "data.val_ratio=0.49", "--set", "data.test_ratio=0.49"], "error: data: val_ratio + test_ratio must leave"),
+        # a missing auxiliary file or a name the registry refuses: before training, not after it
+        (["--set", "preprocess.user_dict=nope.txt"], "error: preprocess.user_dict: no such file: nope.txt"),
+        (["--distill", "baseline", "--set", "distill.unlabelled=extra.txt"], "error: distill.unlabelled: no such file: extra.txt"),
+        (["--set", "registry.model_name=team/model"], "error: registry.model_name: a registered model's name may not contain '/'"),
+        (["--test-dataset", "nope.csv"], "error: data.test_dataset: dataset 'nope.csv' is neither"),
         pytest.param(["--set", "train.precision=fp16"], "error: train.precision: fp16 needs a CUDA device",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is accepted where CUDA is")),
     ],

@@ -452,6 +452,22 @@ class RegistryConfig(_Section):
     )
     enabled: bool = Field(True, title="Register", description="Register the final model and move aliases.")
 
+    @field_validator("model_name")
+    @classmethod
+    def _name(cls, v: Optional[str]) -> Optional[str]:
+        """MLflow's rules for a registered model's name, checked before any training instead of at registration."""
+        import posixpath
+
+        if v is None:
+            return v
+        if not v.strip():
+            raise ValueError("a registered model's name may not be blank")
+        if "/" in v or ":" in v:
+            raise ValueError("a registered model's name may not contain '/' or ':'")
+        if posixpath.normpath(v) != v or v.startswith(".."):
+            raise ValueError("a registered model's name may not be '.', start with '..' or hold repeated separators")
+        return v
+
 
 class PipelineConfig(_Section):
     """Everything one ``train_pipeline`` run needs."""
@@ -581,8 +597,9 @@ def _describe(err: ValidationError, prefix: str = "") -> str:
         loc = ".".join(str(p) for p in e["loc"])
         field = f"{prefix}.{loc}" if prefix and loc else (prefix or loc)
         msg = e["msg"].removeprefix("Value error, ")  # zhflow's own checks: their message is the whole story
-        if not loc and e["type"] == "value_error":  # a check across settings: its message names them; its input is all
-            lines.append(f"{prefix}: {msg}" if prefix else msg)
+        if e["type"] == "value_error" and (not loc or isinstance(e.get("input"), dict)):  # a check across settings:
+            # its message names them; its input is a whole section, not worth repeating
+            lines.append(f"{field}: {msg}" if field else msg)
             continue
         value = e.get("input")
         got = f"{value[:40]!r}... ({len(value)} characters)" if isinstance(value, str) and len(value) > 60 else repr(value)

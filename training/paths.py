@@ -76,6 +76,25 @@ def check_config_paths(config: PipelineConfig) -> None:
     """Every file a run reads, as named in ``config``, inside the allowed folders."""
     for field in PATH_FIELDS:
         check_path(field, _setting(config, field))
+    check_files(config)
+
+
+FILE_FIELDS = ("preprocess.user_dict", "preprocess.stopwords_file", "augment.synonyms", "distill.unlabelled")
+
+
+def check_files(config: PipelineConfig) -> None:
+    """The auxiliary files ``config`` names exist and are files: a missing one fails here, in one line, before any
+    run is recorded, not in the middle of preprocessing or distillation (the dataset files have their own checks,
+    ``check_dataset``, and a checkpoint folder its own, ``check_model``)."""
+    for field in FILE_FIELDS:
+        value = _setting(config, field)
+        if not value:
+            continue
+        path = Path(value).expanduser()
+        if not path.exists():
+            raise ConfigError(f"{field}: no such file: {value}" + (f" (from {Path.cwd()})" if not path.is_absolute() else ""))
+        if not path.is_file():
+            raise ConfigError(f"{field}: {value} is not a file")
 
 
 def check_space_paths(space: dict[str, dict]) -> None:

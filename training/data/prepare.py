@@ -122,6 +122,16 @@ def _file_digest(paths: list[Path]) -> str:
 
 
 def _read(data: DataConfig, dataset: str) -> RawDataset:
+    field = "data.test_dataset" if dataset == data.test_dataset and dataset != data.dataset else "data.dataset"
+    try:
+        return _read_file(data, dataset)
+    except DatasetError as err:
+        if "is neither a built-in corpus" in str(err):  # nothing else names the setting: which file it is
+            raise DatasetError(f"{field}: {err}") from None
+        raise
+
+
+def _read_file(data: DataConfig, dataset: str) -> RawDataset:
     return read_dataset(dataset, data.text_column, data.label_column, data.text_columns, data.format, data.encoding,
                         data.quoting)
 
