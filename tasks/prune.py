@@ -73,12 +73,22 @@ def prune_round(config: PipelineConfig, checkpoint: str, prepared: dict, prune_p
                                   init_checkpoint=str(pruned), keep_sparsity=p.method != "structured", cpus=cpus, gpus=gpus,
                                   epochs_setting="prune.finetune_epochs")
             result = {"checkpoint": tuned["best_checkpoint"], "best_val_macro_f1": tuned["best_val_macro_f1"], "finetuned": True}
+            if tuned["best_val_macro_f1"] < val_pruned:  # every fine-tuning epoch worse than none: keep the pruned model
+                get_run_logger().warning(
+                    "round %d: fine-tuning lowered validation macro-F1 (%.4f pruned, at best %.4f fine-tuned, "
+                    "prune.finetune_lr %g): the round keeps the pruned model without it", round_no, val_pruned,
+                    tuned["best_val_macro_f1"], p.finetune_lr)
+                mlflow.set_tag("finetune_discarded", "fine-tuning lowered validation macro-F1; the pruned model is kept")
+                result = {"checkpoint": str(pruned), "best_val_macro_f1": val_pruned, "finetuned": False,
+                          "finetune_discarded": True}
+            mlflow.log_metric("finetune_kept", float(result["finetuned"]))
         measured = measure_checkpoint(result["checkpoint"], prepared["path"], config.preprocess.max_len, p.latency_threads)
         mlflow.log_metrics(measured | {"val_macro_f1": result["best_val_macro_f1"]})
         get_run_logger().info(
-            "round %d: %s to %.0f%%: sparsity %.3f, %d parameters, %.0f kB, val macro-F1 %.4f -> %.4f pruned -> %.4f fine-tuned",
+            "round %d: %s to %.0f%%: sparsity %.3f, %d parameters, %.0f kB, val macro-F1 %.4f -> %.4f pruned -> %.4f %s",
             round_no, p.method, 100 * amount, measured["sparsity_prunable"], measured["params"], measured["file_bytes"] / 1e3,
             val_before, val_pruned, result["best_val_macro_f1"],
+            "fine-tuned" if result["finetuned"] else "kept (no fine-tuning)",
         )
         return {**result, "removed": removed, "round": round_no, "amount": amount, "run_id": run.info.run_id, "val_macro_f1_after_prune": val_pruned,
                 "model_config": new_cfg.model_dump(), "measured": {k: measured[k] for k in SUMMARY_KEYS}}

@@ -181,25 +181,29 @@ def test_measurements_and_tradeoff_plot(tmp_path, small_csv):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_a_round_that_removes_no_weight_is_not_fine_tuned_and_the_report_says_nothing_changed(tmp_path, small_csv, mlflow_store, prefect_server):
-    """fastText's tables start at zero and keep zeros in every row no text touched: a model already sparser than the
-    round asks loses nothing to it; no fine-tuning epoch, the same checkpoint, ratios of exactly 1."""
+def _fasttext_round(tmp_path, small_csv, experiment, settings, init=None):
+    """One real prune round (and the report) in a Prefect flow, on an untrained fastText model of the small corpus
+    (``init``: a function that sets its weights), as the pipeline runs them: (the round, the report)."""
     import mlflow
     from prefect import flow
+    from torch.utils.data import DataLoader
 
     from tasks.prune import prune_report, prune_round
     from tasks.tracking import open_stage_run
     from training.data.prepare import load_manifest, prepare_dataset
+    from training.evaluate import open_split
     from training.overrides import apply_overrides
     from training.presets import tiny
 
     cfg = apply_overrides(tiny(), [f"data.dataset={small_csv}", "data.max_samples=null", "model.name=fasttext",
-                                   "model.buckets=4096", "prune.amount=0.3"])
+                                   "model.buckets=4096", *settings])
     prepare_dataset(cfg.data, cfg.preprocess, tmp_path / "prepared")
     manifest = load_manifest(tmp_path / "prepared")
     vocab = {"word": manifest["vocab_size"], "char": manifest["char_vocab_size"]}
     model = build_model(cfg.model, vocab, 2)
-    assert sparsity(model)["sparsity_prunable"] > 0.3  # the zero tables
+    if init:
+        train = open_split(tmp_path / "prepared", "train", cfg.model, cfg.preprocess.max_len)
+        init(model, DataLoader(train, batch_size=64, collate_fn=train.collate))
     checkpoint = str(tmp_path / "trained.pt")
     save_checkpoint(checkpoint, {"model_config": cfg.model.model_dump(), "vocab_sizes": vocab, "num_classes": 2,
                                  "model": model.state_dict()})
@@ -208,18 +212,45 @@ def test_a_round_that_removes_no_weight_is_not_fine_tuned_and_the_report_says_no
     @flow
     def pruning():
         client = mlflow.MlflowClient()
-        run = client.create_run(client.create_experiment("prune-noop"))  # the pipeline's parent
-        parent = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id, "experiment": "prune-noop",
+        run = client.create_run(client.create_experiment(experiment))  # the pipeline's parent
+        parent = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id, "experiment": experiment,
                   "work_dir": str(tmp_path / "work")}
         prune_parent = open_stage_run(parent, "prune")
-        done = prune_round(cfg, checkpoint, prepared, prune_parent, 1, 0.3)
+        done = prune_round(cfg, checkpoint, prepared, prune_parent, 1, cfg.prune.amount)
         evaluated = {"checkpoint": done["checkpoint"], "metrics": {"test_macro_f1": 0.5}}
         trained = {"best_checkpoint": checkpoint, "best_val_macro_f1": 0.5}
         return done, prune_report(cfg, trained, evaluated, [done], evaluated, prepared, prune_parent)
 
-    done, report = pruning()
+    return model, checkpoint, pruning()
+
+
+def test_a_round_that_removes_no_weight_is_not_fine_tuned_and_the_report_says_nothing_changed(tmp_path, small_csv, mlflow_store, prefect_server):
+    """fastText's tables start at zero and keep zeros in every row no text touched: a model already sparser than the
+    round asks loses nothing to it; no fine-tuning epoch, the same checkpoint, ratios of exactly 1."""
+    import mlflow
+
+    model, checkpoint, (done, report) = _fasttext_round(tmp_path, small_csv, "prune-noop", ["prune.amount=0.3"])
+    assert sparsity(model)["sparsity_prunable"] > 0.3  # the zero tables
     assert done["removed"] == 0 and not done["finetuned"] and done["checkpoint"] == checkpoint
     assert not (tmp_path / "work" / "prune" / "prune_round_1" / "finetune").exists()
     m = report["metrics"]
     assert m["removed_params"] == 0 and m["speedup_b64"] == m["file_size_ratio"] == 1.0  # measured once: no noise
     assert mlflow.MlflowClient().get_run(report["rounds"][0]).data.metrics["removed_params"] == 0
+
+
+def test_a_fine_tune_that_lowers_validation_is_discarded_and_the_round_keeps_the_pruned_model(tmp_path, small_csv, mlflow_store, prefect_server):
+    """A model that scores well before any step (the nearest-centroid start), pruned, then fine-tuned at a learning
+    rate that wrecks it: the round keeps the pruned model, says so, and the report measures that one."""
+    import mlflow
+
+    from training.models.fasttext import centroid_init
+
+    _, _, (done, report) = _fasttext_round(
+        tmp_path, small_csv, "prune-discard", ["model.buckets=64", "model.embed_dim=2", "prune.amount=0.5", "prune.finetune_lr=10", "prune.finetune_epochs=1",
+                                               "model.dropout=0", "model.init=centroids"], init=centroid_init)
+    assert done["val_macro_f1_after_prune"] > 0.8  # the pruned model still tells the classes apart
+    assert done["finetune_discarded"] and not done["finetuned"]
+    assert done["checkpoint"].endswith("pruned.pt") and done["best_val_macro_f1"] == done["val_macro_f1_after_prune"]
+    tuned = mlflow.MlflowClient().get_run(report["rounds"][0])
+    assert tuned.data.metrics["finetune_kept"] == 0 and "finetune_discarded" in tuned.data.tags
+    assert report["metrics"]["removed_params"] > 0
