@@ -1,7 +1,9 @@
 """Registration task: log the pyfunc model, register it, move the ``champion`` alias only on a win.
 
 The champion is compared on the *same* test split: when the current champion
-was scored on another split, it is re-scored on this one before comparing.
+was scored on another split, it is re-scored on this one before comparing, on
+the texts of it that the champion never learnt from (each registration records
+the digests of its train and val texts), the new model on the same texts.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 import mlflow
+import numpy as np
 import pandas as pd
 from mlflow.exceptions import MlflowException
 from mlflow.models import infer_signature
@@ -84,12 +87,63 @@ def _requirements(config: PipelineConfig, candidate: dict) -> list[str]:
     return [f"{n}=={metadata.version(n)}" for n in names]
 
 
-def _champion_f1_on(client: MlflowClient, name: str, version, prepared: dict, digest: str) -> float:
+SEEN_TAG, SEEN_FILE = "zhflow.seen_texts_run", "seen_texts.npy"
+
+
+def text_hashes(texts) -> np.ndarray:
+    """8-byte digests of cleaned texts, in their order: a model's training texts recorded compactly (a million
+    texts: 8 MB)."""
+    return np.array([int.from_bytes(hashlib.blake2b(str(t).encode("utf-8"), digest_size=8).digest(), "little")
+                     for t in texts], dtype=np.uint64)
+
+
+def seen_texts(prepared_dir: str | Path) -> np.ndarray:
+    """The digests of the cleaned texts a model of this prepared folder learnt from or was chosen on (train and val)."""
+    return np.unique(text_hashes(pd.concat([pd.read_json(Path(prepared_dir) / f"{split}.jsonl", lines=True, dtype=False)["clean"]
+                                             for split in ("train", "val")])))
+
+
+def _champion_seen(client: MlflowClient, version) -> np.ndarray | None:
+    """The champion's train and val texts' digests, when its registration recorded them."""
+    run_id = version.tags.get(SEEN_TAG)
+    if not run_id:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            return np.load(client.download_artifacts(run_id, SEEN_FILE, tmp))
+        except (MlflowException, OSError):
+            return None
+
+
+def _champion_f1_on(client: MlflowClient, name: str, version, prepared: dict, digest: str,
+                    new_labels=None) -> tuple[float | None, float | None, str]:
+    """The champion's test macro-F1 on this run's test split, and the new model's where it changes: (champion's,
+    the new model's or None for its own score, what the scores are on). On another split the champion is scored
+    again, on the texts of this test split it never learnt from (its registration recorded which it saw): a model
+    re-scored on texts it trained on would look better than it is and keep the alias for ever. ``new_labels``:
+    the new model's labels for a list of texts, to score it on the same texts; (None, None, why) when none are left."""
+    on = "test macro-F1 on this run's test split"
     if version.tags.get(SPLIT_TAG) == digest and F1_TAG in version.tags:
-        return float(version.tags[F1_TAG])
+        return float(version.tags[F1_TAG]), None, on
     test = pd.read_json(Path(prepared["path"]) / "test.jsonl", lines=True, dtype=False)  # labels "0"/"1" stay strings
+    seen, subset = _champion_seen(client, version), False
+    if seen is None:
+        on += f" (version {version.version} did not record its training texts: it may have learnt some of these)"
+    else:
+        unseen = ~np.isin(text_hashes(test["clean"]), seen)
+        if not unseen.any():
+            return None, None, f"every text of this run's test split was in version {version.version}'s training data"
+        if not unseen.all():
+            if new_labels is None:
+                return None, None, (f"this run's test split holds texts version {version.version} learnt from, and "
+                                    "the new model cannot be scored on the others here")
+            test, subset = test[unseen], True
+            on = (f"test macro-F1 on the {len(test)} of this run's {len(unseen)} test texts that version "
+                  f"{version.version} never learnt from")
     predicted = mlflow.pyfunc.load_model(f"models:/{name}/{version.version}").predict(test[["text"]])
-    return float(f1_score(test["label"], predicted["label"], average="macro"))
+    champion = float(f1_score(test["label"], predicted["label"], average="macro"))
+    ours = float(f1_score(test["label"], list(new_labels(test["text"].astype(str).tolist())), average="macro")) if subset else None
+    return champion, ours, on
 
 
 @contextmanager
@@ -116,7 +170,8 @@ def registry_lock(name: str) -> Iterator[None]:
 
 
 def _move_alias_locked(client: MlflowClient, name: str, version: str, f1: float, digest: str, prepared: dict | None,
-                       labels: str | None = None, dataset: str | None = None) -> tuple[str, str, float | None]:
+                       labels: str | None = None, dataset: str | None = None,
+                       new_labels=None) -> tuple[str, str, float | None]:
     try:
         champion = client.get_model_version_by_alias(name, "champion")
     except MlflowException:
@@ -131,12 +186,15 @@ def _move_alias_locked(client: MlflowClient, name: str, version: str, f1: float,
             f"not compared: champion version {champion.version} of {name} was trained on another dataset or label set "
             "(or before zhflow recorded them); give each task its own registry.model_name (or leave it empty), or move "
             "the alias by hand")
+    elif (scored := _champion_f1_on(client, name, champion, prepared, digest, new_labels))[0] is None:
+        # no text of this test split that the champion never learnt from: no fair comparison
+        alias, reason = "challenger", f"not compared with version {champion.version}: {scored[2]}; move the alias by hand"
     else:
-        champion_f1 = _champion_f1_on(client, name, champion, prepared, digest)
+        champion_f1, subset_f1, on = scored
+        f1 = f1 if subset_f1 is None else subset_f1  # both on the same texts
         # the same unrounded numbers on both sides: a model that only equals the champion does not replace it
         same = f"{f1:.4f}" == f"{champion_f1:.4f}"  # 4 decimals, as the summary shows; the exact ones where those agree
         ours, theirs = (repr(f1), repr(champion_f1)) if same else (f"{f1:.4f}", f"{champion_f1:.4f}")
-        on = "test macro-F1 on this run's test split"
         if f1 > champion_f1:
             alias, reason = "champion", f"beats version {champion.version}: {on} {ours} > {theirs}"
         else:
@@ -236,21 +294,25 @@ def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, pare
             pip_requirements=_requirements(config, evaluated), code_paths=[str(Path(training.__file__).parent)],
         )
         mlflow.set_tag("candidate", candidate)
+        seen = Path(tmp) / SEEN_FILE  # which texts it learnt from: a later run on another split scores it on the others
+        np.save(seen, seen_texts(prepared["path"]))
+        mlflow.log_artifact(str(seen))
         result = {"name": name, "version": None, "uri": info.model_uri, "alias": None, "run_id": run.info.run_id, "kind": candidate}
         if not config.registry.enabled:
             return result
         client = MlflowClient()
         # repr: the exact float, so that the next run compares the same number (a rounded tag made ties "win")
         tags = ({F1_TAG: repr(float(f1)), SPLIT_TAG: digest, LABELS_TAG: labels, DATASET_TAG: dataset_id(manifest),
-                 "candidate": candidate, "parent_run_id": parent["run_id"]}
+                 "candidate": candidate, "parent_run_id": parent["run_id"], SEEN_TAG: run.info.run_id}
                 | {k: str(v) if not isinstance(v, float) else repr(v) for k, v in (evaluated.get("teacher") or {}).items()} | ({SLOT_TAG: slot} if slot else {}))
         with registry_lock(name):  # the slot check, the registration and the alias move are one step
             if earlier := _slot_taken(client, name, slot, result):
                 return earlier
             # waits until the version is READY, so no alias ever points at a version still being created
             version = mlflow.register_model(info.model_uri, name, tags=tags).version
-            alias, reason, champion_f1 = _move_alias_locked(client, name, str(version), f1, digest, prepared, labels,
-                                                            dataset_id(manifest))
+            alias, reason, champion_f1 = _move_alias_locked(
+                client, name, str(version), f1, digest, prepared, labels, dataset_id(manifest),
+                new_labels=lambda texts: classifier.predict(None, texts)["label"])
         if champion_f1 is not None:
             mlflow.log_metric("champion_test_macro_f1", champion_f1)
         mlflow.set_tags({"registered_model": name, "model_version": str(version), "alias": alias, "alias_reason": reason})

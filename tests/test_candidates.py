@@ -195,6 +195,17 @@ def test_ties_keep_the_champion_and_each_task_gets_its_own_registered_model(pref
     assert "does not beat" in runs[2]["alias_reason"]
     assert runs[2]["alias_reason"].endswith(f"{runs[2]['f1']!r} <= {runs[0]['f1']!r}")  # equal at 4 decimals: exact ones
 
+    # the same file split again (another seed): its test split holds texts version 1 learnt from; both are scored on
+    # the others only, or version 1 would keep the alias by having seen its test texts
+    resplit_cfg = apply_overrides(cfg, ["data.seed=2"])
+    prepare_dataset(resplit_cfg.data, resplit_cfg.preprocess, tmp_path / "resplit")
+    seen = {t for split in ("train", "val") for t in pd.read_json(prepared / f"{split}.jsonl", lines=True)["clean"]}
+    test = pd.read_json(tmp_path / "resplit" / "test.jsonl", lines=True)["clean"]
+    unseen = int((~test.isin(seen)).sum())
+    assert 0 < unseen < len(test)
+    again = register(resplit_cfg, str(tmp_path / "resplit"), 1)[0]
+    assert f"on the {unseen} of this run's {len(test)} test texts that version 1 never learnt from" in again["alias_reason"]
+
     other = register(topics_cfg, str(topics), 1)[0]
     assert other["name"] == "zhflow-news" and other["alias"] == "champion"
     forced = register(apply_overrides(topics_cfg, ["registry.model_name=zhflow-reviews"]), str(topics), 1)[0]
