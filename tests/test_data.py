@@ -166,3 +166,19 @@ def test_length_grouped_sampler_shares_every_text_and_pads_less(world):
     again = LengthGroupedSampler(lengths, 32, world, 0, seed=13)
     again.set_epoch(1)
     assert list(again) == shares[0]  # reproducible from the seed and the epoch
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"text": "坏"}', "line 2: no label in column 'label'"),
+        ('{"text": "坏", "label": null}', "line 2: empty label in column 'label'"),
+        ('{"text": "坏", "label": ["negative"]}', "line 2: column 'label' holds a list, not a class name"),
+        ('{"text": {"title": "坏"}, "label": "negative"}', "line 2: column 'text' holds a dict, not a text"),
+    ],
+)
+def test_a_jsonl_row_without_a_label_or_with_a_list_is_named(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "好", "label": "positive"}\n' + line + "\n", encoding="utf-8")
+    with pytest.raises(DatasetError, match=message):
+        read_dataset(str(path))

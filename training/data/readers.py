@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
 import pandas as pd
 
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
@@ -279,10 +280,16 @@ def read_dataset(
             raise DatasetError(f"{path}: no column {column!r}; columns are {', '.join(map(str, frame.columns)) or 'none'}")
     if frame.empty:
         raise DatasetError(f"{path}: no data rows (header only)")
+    for column in [*columns, label_column]:  # JSON lists and objects (or Parquet arrays) are not a text or a class
+        for value, line in zip(frame[column], lines):
+            if isinstance(value, (list, dict, tuple, np.ndarray)):
+                raise DatasetError(f"{path}: line {line}: column {column!r} holds a {type(value).__name__}, "
+                                   f"not a {'class name' if column == label_column else 'text'}")
     labels = []
     for value, line in zip(frame[label_column], lines):
         if _is_missing(value):
-            raise DatasetError(f"{path}: line {line}: empty label in column {label_column!r}")
+            what = "no" if fmt == "jsonl" and value is not None and value != value else "empty"  # a row without the key
+            raise DatasetError(f"{path}: line {line}: {what} label in column {label_column!r}")
         labels.append(_label(value))
     parts = [["" if _is_missing(v) else str(v) for v in frame[c]] for c in columns]
     texts = [" ".join(p for p in row if p) for row in zip(*parts)]
