@@ -487,7 +487,9 @@ def _print_evaluation(summary: dict) -> None:
     table.add_column()
     version = f"  ({summary['model_name']} version {summary['model_version']})" if summary["model_version"] else ""
     table.add_row("model", summary["model_uri"] + version)
-    table.add_row("dataset", f"{summary['dataset']}  ({summary['metrics']['test_texts']:.0f} texts)")
+    blank = summary.get("blank_texts_dropped", 0)
+    table.add_row("dataset", f"{summary['dataset']}  ({summary['metrics']['test_texts']:.0f} texts"
+                  + (f"; {blank} blank row(s) left out" if blank else "") + ")")
     m = summary["metrics"]
     for key in ("test_accuracy", "test_macro_f1", "test_macro_precision", "test_macro_recall", "test_roc_auc", "test_pr_auc"):
         if key in m:
@@ -495,7 +497,13 @@ def _print_evaluation(summary: dict) -> None:
     table.add_row("experiment", summary["experiment"])
     table.add_row("run", summary["run_id"])
     table.add_row("MLflow UI", _mlflow_ui())
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    if never := summary.get("classes_never_predicted"):
+        from rich.markup import escape
+
+        console.print(f"[bold yellow]WARNING: the model predicts none of these texts as {escape(', '.join(map(repr, never[:10])))}"
+                      + (f" and {len(never) - 10} more" if len(never) > 10 else "") + "[/]")
 
 
 STOP_REASONS = {"converged": "converged", "max_epochs": "the maximum of epochs (train.epochs)",
@@ -520,8 +528,9 @@ def _print_summary(summary: dict) -> None:
                        f"{m['baseline_test_accuracy']:.4f}", "")
     console.print(candidates)
     if never := int(m.get("test_classes_never_predicted", 0)):
-        console.print(f"[bold yellow]WARNING: the registered model predicts none of the test texts as {never} of their "
-                      "classes (the test run's tag test_classes_never_predicted names them); with classes this rare, "
+        console.print(f"[bold yellow]WARNING: {never} of the test split's classes: the registered model predicts "
+                      "none of the test texts as any of them (the test run's tag test_classes_never_predicted names "
+                      "them); with classes this rare, "
                       "try --set train.class_weights=balanced --set linear.class_weights=balanced[/]")
     table = Table(title="zhflow run", show_header=False)
     table.add_column(style="bold")

@@ -167,4 +167,5 @@ def score_model(
     print(f"{model_uri} on {raw.source}: accuracy {metrics['test_accuracy']:.4f}, macro-F1 {metrics['test_macro_f1']:.4f} "
           f"over {len(raw.texts)} texts; MLflow run {run.info.run_id}")  # a log line in the flow (log_prints)
     return {"model_uri": model_uri, "model_name": model.name, "model_version": model.version, "run_id": run.info.run_id,
-            "experiment": experiment, "dataset": raw.source, "metrics": metrics}
+            "experiment": experiment, "dataset": raw.source, "metrics": metrics, "blank_texts_dropped": blank,
+            "classes_never_predicted": sorted({raw.labels[i] for i in range(len(raw.labels))} - set(predicted["label"]))}

@@ -126,13 +126,15 @@ def store(trained, monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_evaluate_records_a_new_run_linked_to_the_model(store, tmp_path):
+def test_evaluate_records_a_new_run_linked_to_the_model(store, tmp_path, capsys):
     rows = sentiment_rows(20)
-    csv = write_csv(tmp_path / "external.csv", rows)
+    csv = write_csv(tmp_path / "external.csv", rows + [("  ", "negative")])  # a blank text: left out, and said so
     out = tmp_path / "evaluation.json"
     assert zhflow(["evaluate", "--model-uri", "models:/zhflow-classifier@champion", "--dataset", str(csv),
                    "--json-out", str(out)]) == 0
     summary = json.loads(out.read_text(encoding="utf-8"))
+    assert summary["blank_texts_dropped"] == 1 and "1 blank row(s) left out" in " ".join(capsys.readouterr().out.split())
+    assert summary["classes_never_predicted"] == []
     assert {k: summary[k] for k in ("model_uri", "model_name", "model_version", "experiment", "dataset")} == {
         "model_uri": "models:/zhflow-classifier@champion", "model_name": "zhflow-classifier", "model_version": "1",
         "experiment": "zhflow-evaluate", "dataset": str(csv.resolve())}
