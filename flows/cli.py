@@ -557,6 +557,10 @@ def _print_summary(summary: dict) -> None:
                  if "distill_speedup_b64_vs_teacher" in m else "")
         table.add_row("distillation", f"test_macro_f1: teacher {m['distill_teacher_test_macro_f1']:.4f}, student alone "
                       f"{m['distill_alone_test_macro_f1']:.4f}, distilled {m['distill_distilled_test_macro_f1']:.4f}{speed}")
+        if m.get("distill_distilled_val_macro_f1", 1.0) < m.get("distill_alone_val_macro_f1", 0.0):
+            table.add_row("", f"[bold yellow]WARNING: the teacher made the student worse on validation (macro-F1 alone "
+                              f"{m['distill_alone_val_macro_f1']:.4f}, distilled {m['distill_distilled_val_macro_f1']:.4f}): "
+                              "try another teacher, distill.alpha or distill.temperature[/]")
     table.add_row("experiment", summary["experiment"])
     table.add_row("parent run", summary["parent_run_id"])
     for stage, run_id in summary["stage_runs"].items():
