@@ -361,9 +361,10 @@ class Trainer(RankZeroOutput):
             for table in self.tables:  # DDP does not broadcast them: rank 0's start (Family.fit) on every rank
                 torch.distributed.broadcast(table.weight.data, src=0)
         # buffers are not broadcast each step: every rank computes its own the same way (a fastText model's feature
-        # weights, 2 MB, fit from the same split; position ids), and a resume loads them on every rank
+        # weights, 2 MB, fit from the same split; position ids), and a resume loads them on every rank (DDP's start
+        # sends rank 0's once, the same values)
         self.model = DDP(self.raw_model, device_ids=[info.local_rank] if info.device.type == "cuda" else None,
-                         broadcast_buffers=False) if info.ddp else self.raw_model
+                         forward_sync_buffers=False) if info.ddp else self.raw_model
         if job.train.compile:  # the training forward only; validation and checkpoints use the plain module
             self.model = torch.compile(self.model)
 
