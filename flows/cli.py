@@ -313,10 +313,11 @@ def _print_sweep(summary: dict) -> None:
     from rich.table import Table
 
     trials = Table(title=f"zhflow sweep {summary['study']}")
-    for column in ("trial", "state", "best val macro-F1", "epochs", "seconds", "settings"):
+    for column in ("trial", "state", "best val macro-F1", "epochs", "seconds"):
         trials.add_column(column)
+    trials.add_column("settings", overflow="fold")  # one per line, never cut: the point of the table
     for row in summary["table"]:
-        settings = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+        settings = "\n".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
                              if k not in ("trial", "state", "best_val_macro_f1", "epochs", "seconds"))
         value = row["best_val_macro_f1"]
         trials.add_row(str(row["trial"]), row["state"], "" if value is None else f"{value:.4f}", str(row["epochs"] or ""),
