@@ -511,7 +511,7 @@ STOP_REASONS = {"converged": "converged", "max_epochs": "the maximum of epochs (
                 "timeout": "the time budget (train.timeout_minutes)"}
 
 
-def _print_summary(summary: dict) -> None:
+def _print_summary(summary: dict, command: str = "run") -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -533,7 +533,7 @@ def _print_summary(summary: dict) -> None:
                       "none of the test texts as any of them (the test run's tag test_classes_never_predicted names "
                       "them); with classes this rare, "
                       "try --set train.class_weights=balanced --set linear.class_weights=balanced[/]")
-    table = Table(title="zhflow run", show_header=False)
+    table = Table(title=f"zhflow {command}", show_header=False)
     table.add_column(style="bold")
     table.add_column()
     for key in ("test_accuracy", "test_macro_f1", "test_macro_precision", "test_macro_recall"):
@@ -654,7 +654,7 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         return 1
     if args.json_out:
         args.json_out.write_text(json.dumps(summary, indent=2, ensure_ascii=False))
-    _print_summary(summary)
+    _print_summary(summary, args.command)
     return 0
 
 

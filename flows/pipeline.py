@@ -33,9 +33,15 @@ REPORTED = ("removed_params", "file_size_ratio", "speedup_b1", "speedup_b64", "t
 
 
 def _run_name() -> str:
+    """train-<family>-<time>; distill-<student family>-<time> for a run that trains only a student (zhflow distill)."""
     config = flow_run.parameters.get("config")
-    model = getattr(getattr(config, "model", None), "name", None) or (config or {}).get("model", {}).get("name", "model")
-    return f"train-{model}-{flow_run.scheduled_start_time.strftime('%Y%m%d-%H%M%S')}"
+    config = config.model_dump() if hasattr(config, "model_dump") else (config or {})
+    distill = config.get("distill") or {}
+    if distill.get("enabled") and not (config.get("select") or {}).get("candidates", ["neural"]):
+        kind, model = "distill", (distill.get("student") or {}).get("name", "student")
+    else:
+        kind, model = "train", (config.get("model") or {}).get("name", "model")
+    return f"{kind}-{model}-{flow_run.scheduled_start_time.strftime('%Y%m%d-%H%M%S')}"
 
 
 @flow(name="train_pipeline", flow_run_name=_run_name, log_prints=True,

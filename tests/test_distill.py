@@ -166,6 +166,7 @@ def test_a_run_distils_a_student_and_zhflow_distill_learns_from_a_registered_mod
     second = json.loads(out2.read_text())
     assert set(second["candidates"]) == {"distilled"} and second["selected"] == "distilled"
     assert second["model"]["kind"] == "distilled"  # the summary names the registered candidate, not how it is served
+    assert "zhflow distill" in again.stdout and "zhflow run" in run.stdout  # each summary titled by its command
     assert second["metrics"]["distill_distilled_test_macro_f1"] > 0.8
     mlflow.set_tracking_uri(store)
     try:
@@ -179,6 +180,7 @@ def test_a_run_distils_a_student_and_zhflow_distill_learns_from_a_registered_mod
         version = client.get_model_version(second["model"]["name"], second["model"]["version"])
         assert version.tags["teacher"] == f"baseline,{uri}" and float(version.tags["teacher_test_macro_f1"]) > 0.8
         assert version.tags["candidate"] == "distilled"
+        assert client.get_run(second["parent_run_id"]).info.run_name.startswith("distill-textcnn-")  # not train-
     finally:
         mlflow.set_tracking_uri(None)
 
