@@ -528,6 +528,10 @@ def _print_summary(summary: dict, command: str = "run") -> None:
     candidates.add_row("reference: char TF-IDF + SVM", "", f"{m['baseline_test_macro_f1']:.4f}",
                        f"{m['baseline_test_accuracy']:.4f}", "")
     console.print(candidates)
+    tied = [name for name, c in summary["candidates"].items() if c["val_macro_f1"] == max(vals)]
+    if len(tied) > 1:  # pick(): the first of them in the order neural, linear, ensemble
+        console.print(f"note: {', '.join(tied)} tie on validation macro-F1; the first of them is registered (the order "
+                      "is neural, linear, ensemble); --set select.candidates=... registers another")
     if never := int(m.get("test_classes_never_predicted", 0)):
         console.print(f"[bold yellow]WARNING: {never} of the test split's classes: the registered model predicts "
                       "none of the test texts as any of them (the test run's tag test_classes_never_predicted names "

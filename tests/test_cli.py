@@ -122,3 +122,25 @@ def test_student_flag_gives_the_family_with_its_preset_defaults(command):
     assert config.distill.student == taught.model.model_copy(update={"dropout": 0.2})
     assert config.distill.train == taught.train
     assert config.model.name == preset("tiny").model.name  # the run's own model keeps the preset's family
+
+
+def test_the_summary_says_what_a_user_would_otherwise_miss(capsys):
+    """A tie on validation, a teacher that made the student worse, classes never predicted: each a line of the run's
+    summary (a hand-built summary of the shape train_pipeline returns)."""
+    from flows.cli import _print_summary
+
+    scores = {"val_macro_f1": 0.4643, "test_macro_f1": 0.5, "test_accuracy": 0.5}
+    metrics = {"test_accuracy": 0.5, "test_macro_f1": 0.5, "test_macro_precision": 0.5, "test_macro_recall": 0.5,
+               "baseline_test_macro_f1": 0.6, "baseline_test_accuracy": 0.6, "test_classes_never_predicted": 1.0,
+               "distill_teacher_test_macro_f1": 0.74, "distill_alone_test_macro_f1": 0.67,
+               "distill_distilled_test_macro_f1": 0.63, "distill_alone_val_macro_f1": 0.7, "distill_distilled_val_macro_f1": 0.65}
+    summary = {"experiment": "e", "parent_run_id": "p", "stage_runs": {}, "metrics": metrics, "selected": "neural",
+               "candidates": {"neural": scores, "linear": scores | {"test_macro_f1": 0.6}, "ensemble": scores | {"val_macro_f1": 0.3}},
+               "training": None, "prepared_data": "/tmp/x",
+               "model": {"uri": "models:/m/1", "kind": "neural", "alias": "champion", "reason": "first model"}}
+    _print_summary(summary, "distill")
+    out = " ".join(capsys.readouterr().out.split())
+    assert "zhflow distill" in out
+    assert "note: neural, linear tie on validation macro-F1; the first of them is registered" in out
+    assert "1 of the test split's classes: the registered model predicts none" in out
+    assert "the teacher made the student worse on validation" in out.replace("│ ", "").replace(" │", "")
