@@ -54,8 +54,11 @@ def test_space_files_and_grid(tmp_path):
     space = load_space(path)
     assert grid(space) == {"model.num_filters": [50, 100, 150], "train.lr": [0.001, 0.003]}
     (tmp_path / "bad.yaml").write_text("train.lr: {low: [\n", encoding="utf-8")
-    with pytest.raises(SpaceError, match="bad.yaml: not valid UTF-8 YAML"):
+    with pytest.raises(SpaceError, match=r"bad.yaml: not valid UTF-8 YAML: line 2, column 1: "):
         load_space(tmp_path / "bad.yaml")
+    (tmp_path / "typo.yaml").write_text("train.lrr: [0.001]\n", encoding="utf-8")
+    with pytest.raises(SpaceError, match=r"typo.yaml: unknown field 'train.lrr'"):
+        load_space(tmp_path / "typo.yaml")
     (tmp_path / "gbk.yaml").write_bytes("train.lr: [0.001]  # 学习率\n".encode("gbk"))
     with pytest.raises(SpaceError, match="gbk.yaml: not valid UTF-8"):
         load_space(tmp_path / "gbk.yaml")

@@ -48,12 +48,12 @@ class SpaceError(ConfigError):
     """A search space that cannot be used; the message names the file and the setting."""
 
 
-def _field(name: str):
+def _field(name: str, source: str = "search space"):
     """The annotation of the setting ``name`` (``train.lr``, ``distill.student.dropout``)."""
     try:
         return setting_field(name, repr(name))[1]
     except ConfigError as err:
-        raise SpaceError(f"{err}; a search space names settings such as train.lr") from None
+        raise SpaceError(f"{source}: {err}; a search space names settings such as train.lr") from None
 
 
 def check_space(space: dict[str, Any], source: str = "search space") -> dict[str, dict]:
@@ -64,7 +64,7 @@ def check_space(space: dict[str, Any], source: str = "search space") -> dict[str
     for name, spec in space.items():
         if not isinstance(name, str):
             raise SpaceError(f"{source}: {name!r}: setting names are text such as train.lr")
-        _field(name)
+        _field(name, source)
         where = f"{source}: {name}"
         if isinstance(spec, list):
             spec = {"choices": spec}
@@ -108,7 +108,10 @@ def load_space(path: str | Path) -> dict[str, dict]:
         text = path.read_text(encoding="utf-8")
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as err:  # UnicodeDecodeError is a ValueError
-        raise SpaceError(f"search space {path}: not valid UTF-8 {'JSON' if path.suffix == '.json' else 'YAML'}: {err}") from None
+        mark = getattr(err, "problem_mark", None)  # YAML: where the parser stopped, and why
+        why = (f"line {mark.line + 1}, column {mark.column + 1}: {': '.join(filter(None, (err.context, err.problem)))}"
+               if mark is not None else str(err))
+        raise SpaceError(f"search space {path}: not valid UTF-8 {'JSON' if path.suffix == '.json' else 'YAML'}: {why}") from None
     return check_space(data, str(path))
 
 
