@@ -107,7 +107,8 @@ def preprocess(data: DataConfig, pre: PreprocessConfig, augment: AugmentConfig, 
             warnings.simplefilter("ignore", UserWarning)
             source = resolve_dataset_source(manifest["dataset"]["source"])
         for split, context in (("train", "training"), ("val", "validation"), ("test", "testing")):
-            frame = pd.read_json(Path(prepared["path"]) / f"{split}.jsonl", lines=True)[["clean", "label"]]
+            # labels as written ("2", "10"): text, as everywhere else (read as numbers, MLflow warns of integer columns)
+            frame = pd.read_json(Path(prepared["path"]) / f"{split}.jsonl", lines=True, dtype=False)[["clean", "label"]]
             dataset = mlflow.data.from_pandas(frame, source=source, targets="label",
                                               name=f"{Path(manifest['dataset']['name']).name}-{split}",
                                               digest=manifest["splits"][split]["digest"][:16])

@@ -280,7 +280,7 @@ def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, pare
             return earlier  # checked again under the lock below; this only saves logging a model for nothing
         classifier, artifacts = served_classifier(config, evaluated, prepared, Path(tmp))
         # bf16 where this CPU runs it faster and its labels agree with fp32's on the test texts (checked here)
-        test_texts = pd.read_json(Path(prepared["path"]) / "test.jsonl", lines=True)["text"].astype(str).tolist()[:256]
+        test_texts = pd.read_json(Path(prepared["path"]) / "test.jsonl", lines=True, dtype=False)["text"].astype(str).tolist()[:256]
         precision, checked = serving_precision(classifier, test_texts)
         meta = json.loads(Path(artifacts["meta"]).read_text(encoding="utf-8"))
         Path(artifacts["meta"]).write_text(json.dumps(meta | {"precision": precision}, ensure_ascii=False), encoding="utf-8")
