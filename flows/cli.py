@@ -531,7 +531,7 @@ def _print_summary(summary: dict, command: str = "run") -> None:
     tied = [name for name, c in summary["candidates"].items() if c["val_macro_f1"] == max(vals)]
     if len(tied) > 1:  # pick(): the first of them in the order neural, linear, ensemble
         console.print(f"note: {', '.join(tied)} tie on validation macro-F1; the first of them is registered (the order "
-                      "is neural, linear, ensemble); --set select.candidates=... registers another")
+                      "is neural, distilled, linear, ensemble); --set select.candidates=... leaves one out")
     if never := int(m.get("test_classes_never_predicted", 0)):
         console.print(f"[bold yellow]WARNING: {never} of the test split's classes: the registered model predicts "
                       "none of the test texts as any of them (the test run's tag test_classes_never_predicted names "

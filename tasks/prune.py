@@ -72,12 +72,15 @@ def prune_round(config: PipelineConfig, checkpoint: str, prepared: dict, prune_p
             tuned = launch_worker(stage, config, prepared, run.info.run_id, out / "finetune", train=train_cfg, model=new_cfg,
                                   init_checkpoint=str(pruned), keep_sparsity=p.method != "structured", cpus=cpus, gpus=gpus,
                                   epochs_setting="prune.finetune_epochs")
-            result = {"checkpoint": tuned["best_checkpoint"], "best_val_macro_f1": tuned["best_val_macro_f1"], "finetuned": True}
-            if tuned["best_val_macro_f1"] < val_pruned:  # every fine-tuning epoch worse than none: keep the pruned model
+            # scored here as the pruned model was (the worker validates in train.precision: bf16 on CUDA)
+            tuned_model, tuned_cfg, _ = load_model(tuned["best_checkpoint"])
+            val_tuned = _val_macro_f1(tuned_model, tuned_cfg, prepared, config)
+            result = {"checkpoint": tuned["best_checkpoint"], "best_val_macro_f1": val_tuned, "finetuned": True}
+            if val_tuned < val_pruned:  # every fine-tuning epoch worse than none: keep the pruned model
                 get_run_logger().warning(
                     "round %d: fine-tuning lowered validation macro-F1 (%.4f pruned, at best %.4f fine-tuned, "
                     "prune.finetune_lr %g): the round keeps the pruned model without it", round_no, val_pruned,
-                    tuned["best_val_macro_f1"], p.finetune_lr)
+                    val_tuned, p.finetune_lr)
                 mlflow.set_tag("finetune_discarded", "fine-tuning lowered validation macro-F1; the pruned model is kept")
                 result = {"checkpoint": str(pruned), "best_val_macro_f1": val_pruned, "finetuned": False,
                           "finetune_discarded": True}

@@ -3,7 +3,8 @@
 The champion is compared on the *same* test split: when the current champion
 was scored on another split, it is re-scored on this one before comparing, on
 the texts of it that the champion never learnt from (each registration records
-the digests of its train and val texts), the new model on the same texts.
+the digests of its train and val texts, as written and as cleaned), the new
+model on the same texts.
 """
 
 from __future__ import annotations
@@ -97,10 +98,13 @@ def text_hashes(texts) -> np.ndarray:
                      for t in texts], dtype=np.uint64)
 
 
-def seen_texts(prepared_dir: str | Path) -> np.ndarray:
-    """The digests of the cleaned texts a model of this prepared folder learnt from or was chosen on (train and val)."""
-    return np.unique(text_hashes(pd.concat([pd.read_json(Path(prepared_dir) / f"{split}.jsonl", lines=True, dtype=False)["clean"]
-                                             for split in ("train", "val")])))
+def seen_texts(*prepared_dirs: str | Path) -> np.ndarray:
+    """The digests of the texts a model of these prepared folders learnt from or was chosen on (train and val; a
+    distilled student's transfer set too), each as written and as cleaned: a later run with other cleaning settings
+    (traditional to simplified, numbers replaced) still finds them."""
+    frames = [pd.read_json(Path(folder) / f"{split}.jsonl", lines=True, dtype=False)
+              for folder in dict.fromkeys(map(str, prepared_dirs)) for split in ("train", "val")]
+    return np.unique(text_hashes(pd.concat([f[column] for f in frames for column in ("text", "clean")])))
 
 
 def _champion_seen(client: MlflowClient, version) -> np.ndarray | None:
@@ -130,7 +134,7 @@ def _champion_f1_on(client: MlflowClient, name: str, version, prepared: dict, di
     if seen is None:
         on += f" (version {version.version} did not record its training texts: it may have learnt some of these)"
     else:
-        unseen = ~np.isin(text_hashes(test["clean"]), seen)
+        unseen = ~(np.isin(text_hashes(test["clean"]), seen) | np.isin(text_hashes(test["text"]), seen))
         if not unseen.any():
             return None, None, f"every text of this run's test split was in version {version.version}'s training data"
         if not unseen.all():
@@ -295,7 +299,7 @@ def register_model(config: PipelineConfig, evaluated: dict, prepared: dict, pare
         )
         mlflow.set_tag("candidate", candidate)
         seen = Path(tmp) / SEEN_FILE  # which texts it learnt from: a later run on another split scores it on the others
-        np.save(seen, seen_texts(prepared["path"]))
+        np.save(seen, seen_texts(prepared["path"], evaluated.get("prepared_dir") or prepared["path"]))
         mlflow.log_artifact(str(seen))
         result = {"name": name, "version": None, "uri": info.model_uri, "alias": None, "run_id": run.info.run_id, "kind": candidate}
         if not config.registry.enabled:

@@ -18,6 +18,8 @@ def test_set_reaches_exactly_that_field():
     assert cfg.train.lr == 3e-4 and cfg.model.kernel_sizes == [2, 3] and cfg.prune.amount == 0.7
     assert cfg.data.max_samples == 100
     assert cfg.train.epochs == default().train.epochs
+    for typed in ("[baseline, trained]", "baseline,trained", '["baseline", "trained"]'):  # brackets as people type them
+        assert apply_overrides(default(), [f"distill.teacher={typed}"]).distill.teacher == ["baseline", "trained"]
 
 
 @pytest.mark.parametrize(

@@ -114,3 +114,20 @@ def test_the_flow_refuses_a_form_path_before_any_run_is_recorded(confined, prefe
     client = MlflowClient()
     assert client.get_experiment_by_name("refused") is None
     assert not client.search_runs([e.experiment_id for e in client.search_experiments()])
+
+
+def test_missing_auxiliary_files_are_refused_only_where_they_are_read(tmp_path):
+    from training.config import ConfigError, RegistryConfig
+    from training.overrides import apply_overrides
+    from training.paths import check_files
+    from training.presets import tiny
+
+    check_files(apply_overrides(tiny(), ["distill.unlabelled=absent.txt", "augment.synonyms=absent.txt"]))  # both off
+    for settings, field in ((["distill.enabled=true", "distill.teacher=baseline", "distill.unlabelled=absent.txt"], "distill.unlabelled"),
+                            (["augment.enabled=true", "augment.synonyms=absent.txt"], "augment.synonyms"),
+                            (["preprocess.stopwords_file=absent.txt"], "preprocess.stopwords_file")):
+        with pytest.raises(ConfigError, match=f"{field}: no such file: absent.txt"):
+            check_files(apply_overrides(tiny(), settings))
+    for name in (".", "..", "a/b", "a:b", " "):
+        with pytest.raises(ValueError, match="registered model's name"):
+            RegistryConfig(model_name=name)

@@ -464,7 +464,7 @@ class RegistryConfig(_Section):
             raise ValueError("a registered model's name may not be blank")
         if "/" in v or ":" in v:
             raise ValueError("a registered model's name may not contain '/' or ':'")
-        if posixpath.normpath(v) != v or v.startswith(".."):
+        if posixpath.normpath(v) != v or v == "." or v.startswith(".."):
             raise ValueError("a registered model's name may not be '.', start with '..' or hold repeated separators")
         return v
 

@@ -24,8 +24,7 @@ def _parse_value(raw: str, annotation: Any) -> Any:
             return adapter.validate_python(None)
         except ValidationError:
             pass
-    for attempt in (adapter.validate_json, adapter.validate_strings,
-                    lambda text: adapter.validate_python([part.strip() for part in text.split(",") if part.strip()])):
+    for attempt in (adapter.validate_json, adapter.validate_strings, lambda text: adapter.validate_python(_comma_list(text))):
         try:
             return attempt(raw)
         except ValidationError:
@@ -34,8 +33,16 @@ def _parse_value(raw: str, annotation: Any) -> Any:
         try:
             return json.loads(raw)
         except ValueError:
-            return [part.strip().strip("'\"") for part in raw.strip("[]").split(",") if part.strip()]
+            return _comma_list(raw)
     return raw
+
+
+def _comma_list(text: str) -> list[str]:
+    """``a,b`` or ``[a, b]`` (brackets without JSON's quotes, as people type them): the items, unquoted."""
+    text = text.strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    return [part.strip().strip("'\"") for part in text.split(",") if part.strip()]
 
 
 def setting_field(key: str, given: str, root: type[BaseModel] = PipelineConfig) -> tuple[list[str], Any]:

@@ -86,9 +86,12 @@ def check_files(config: PipelineConfig) -> None:
     """The auxiliary files ``config`` names exist and are files: a missing one fails here, in one line, before any
     run is recorded, not in the middle of preprocessing or distillation (the dataset files have their own checks,
     ``check_dataset``, and a checkpoint folder its own, ``check_model``)."""
+    used = {"preprocess.user_dict": True, "preprocess.stopwords_file": True,
+            "augment.synonyms": config.augment.enabled or (config.distill.enabled and config.distill.augment_copies > 0),
+            "distill.unlabelled": config.distill.enabled}  # a file of a switched-off feature is never read
     for field in FILE_FIELDS:
         value = _setting(config, field)
-        if not value:
+        if not value or not used[field]:
             continue
         path = Path(value).expanduser()
         if not path.exists():
