@@ -92,8 +92,7 @@ SEEN_TAG, SEEN_FILE = "zhflow.seen_texts_run", "seen_texts.npy"
 
 
 def text_hashes(texts) -> np.ndarray:
-    """8-byte digests of cleaned texts, in their order: a model's training texts recorded compactly (a million
-    texts: 8 MB)."""
+    """8-byte digests of texts, in their order: a model's training texts recorded compactly (a million texts: 8 MB)."""
     return np.array([int.from_bytes(hashlib.blake2b(str(t).encode("utf-8"), digest_size=8).digest(), "little")
                      for t in texts], dtype=np.uint64)
 
