@@ -256,7 +256,9 @@ class PretrainTrainer(RankZeroOutput):
         self.config = model.config
         predict_masked_only(model)
         if self.t.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            from training.models.pretrained import activation_checkpointing
+
+            activation_checkpointing(model)
         if not on_meta:
             model.to(info.device)
         if self.fsdp:

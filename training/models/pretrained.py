@@ -82,6 +82,17 @@ def _hub_reachable(timeout: float = 3.0) -> str | None:
         return f"{endpoint.hostname}:{port} cannot be reached ({err})"
 
 
+def activation_checkpointing(model) -> None:
+    """Recompute each layer's activations in the backward pass (``train.gradient_checkpointing``), non-reentrant: it
+    works under DDP and with inputs that need no gradient. transformers 5.x names it activation checkpointing (the
+    old name warns)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 # a tokenizer's vocabulary as save_pretrained writes it (without one, AutoTokenizer builds the config's tokenizer class
 # with nothing but its special tokens, and every text becomes [UNK])
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model",
@@ -287,8 +298,7 @@ class Pretrained(Family):
         return sizes | {"kept": kept_sizes(model.model)}
 
     def enable_gradient_checkpointing(self, model, cfg) -> None:
-        # non-reentrant: works under DDP and with inputs that need no gradient
-        model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        activation_checkpointing(model.model)
 
     def requirements(self) -> list[str]:
         return ["transformers", "tokenizers", "safetensors"]
