@@ -182,3 +182,17 @@ def test_a_jsonl_row_without_a_label_or_with_a_list_is_named(tmp_path, line, mes
     path.write_text('{"text": "好", "label": "positive"}\n' + line + "\n", encoding="utf-8")
     with pytest.raises(DatasetError, match=message):
         read_dataset(str(path))
+
+
+def test_a_missing_value_of_a_nullable_parquet_column_is_no_class(tmp_path):
+    import pandas as pd
+
+    path = tmp_path / "nullable.parquet"
+    pd.DataFrame({"text": pd.array(["好", "坏", "一般"], dtype="string"),
+                  "label": pd.array([1, None, 2], dtype="Int64")}).to_parquet(path)
+    with pytest.raises(DatasetError, match="line 2: empty label in column 'label'"):  # not the class "<NA>"
+        read_dataset(str(path))
+    pd.DataFrame({"text": pd.array(["好", None, "一般"], dtype="string"),
+                  "label": pd.array([1, 0, 2], dtype="Int64")}).to_parquet(path)
+    data = read_dataset(str(path))
+    assert data.texts == ["好", "", "一般"] and data.labels == ["1", "0", "2"]  # a missing text is blank, not "<NA>"

@@ -234,7 +234,8 @@ def _column_names(record: list[str]) -> list[str]:
 
 
 def _is_missing(value) -> bool:
-    return value is None or (isinstance(value, float) and value != value) or str(value).strip() == ""
+    # None, NaN, and pandas' NA of a nullable Parquet column (Int64, string), which would read as the class "<NA>"
+    return value is None or value is pd.NA or (isinstance(value, float) and value != value) or str(value).strip() == ""
 
 
 def _label(value) -> str:
