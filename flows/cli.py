@@ -529,7 +529,7 @@ def _print_summary(summary: dict, command: str = "run") -> None:
                        f"{m['baseline_test_accuracy']:.4f}", "")
     console.print(candidates)
     tied = [name for name, c in summary["candidates"].items() if c["val_macro_f1"] == max(vals)]
-    if len(tied) > 1:  # pick(): the first of them in the order neural, linear, ensemble
+    if len(tied) > 1:  # pick(): the first of them in the order of the candidates
         console.print(f"note: {', '.join(tied)} tie on validation macro-F1; the first of them is registered (the order "
                       "is neural, distilled, linear, ensemble); --set select.candidates=... leaves one out")
     if never := int(m.get("test_classes_never_predicted", 0)):
