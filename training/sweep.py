@@ -7,8 +7,9 @@ either a list of choices or a numeric range:
     train.lr: {low: 3.0e-4, high: 3.0e-3, log: true}
     model.num_filters: {low: 50, high: 200, step: 50}
 
-    from training.sweep import DEFAULT_SPACE, load_space, suggest, apply_params
-    params = suggest(trial, DEFAULT_SPACE)          # {"model.name": "bilstm", "train.lr": 0.0011, ...}
+    from training.sweep import default_space, load_space, suggest, apply_params
+    space = default_space(base_config)              # the family's own, or load_space("space.yaml")
+    params = suggest(trial, space)                  # {"model.embed_dim": 64, "train.lr": 0.0011, ...}
     config = apply_params(base_config, params)
 """
 
@@ -22,23 +23,17 @@ from typing import Any
 from training.config import ConfigError, PipelineConfig
 from training.overrides import apply_settings, setting_field
 
+# the settings every family has, for a family without a space of its own (each family module says what suits it:
+# its sizes, its learning rates); a space that compares families names model.name itself
 DEFAULT_SPACE: dict[str, dict] = {
-    "model.name": {"choices": ["textcnn", "bilstm"]},
-    "model.input": {"choices": ["word", "char", "both"]},
-    "model.embed_dim": {"choices": [64, 128, 200]},
-    "model.num_filters": {"low": 50, "high": 200, "step": 50},
-    "model.hidden_size": {"choices": [64, 128]},
     "model.dropout": {"low": 0.1, "high": 0.6},
     "train.lr": {"low": 3e-4, "high": 5e-3, "log": True},
     "train.batch_size": {"choices": [32, 64, 128]},
-    "train.epochs": {"low": 3, "high": 6},
-    "augment.enabled": {"choices": [False, True]},
-    "preprocess.segmenter": {"choices": ["jieba", "rjieba"]},
-    "prune.amount": {"choices": [0.0, 0.3, 0.5]},
 }
 
+
 def default_space(config: PipelineConfig) -> dict[str, dict]:
-    """The built-in space for the family the sweep starts from (its own, e.g. the pretrained family's, or DEFAULT_SPACE)."""
+    """The built-in space for the family the sweep starts from: its own (``Family.sweep_space``), or DEFAULT_SPACE."""
     from training.models import family_of
 
     return family_of(config.model).sweep_space or DEFAULT_SPACE

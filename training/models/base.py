@@ -157,6 +157,20 @@ def _rows(idx: torch.Tensor, block: int, blocks: int) -> torch.Tensor:
     return torch.cat([idx + b * block for b in range(blocks)])
 
 
+# what a sweep searches for every family trained from scratch on zhflow's vocabularies (each adds its own sizes). Not
+# train.epochs: it is the maximum, and each trial trains until its validation score stops improving (the pruner ends
+# the hopeless ones); a space that capped it would compare models stopped while still improving
+SCRATCH_SWEEP_SPACE: dict[str, dict] = {
+    "model.input": {"choices": ["word", "char", "both"]},
+    "model.embed_dim": {"choices": [64, 128, 200]},
+    "model.dropout": {"low": 0.1, "high": 0.6},
+    "train.lr": {"low": 3e-4, "high": 5e-3, "log": True},
+    "train.batch_size": {"choices": [32, 64, 128]},
+    "augment.enabled": {"choices": [False, True]},
+    "prune.amount": {"choices": [0.0, 0.3, 0.5]},
+}
+
+
 class ScratchFamily(Family):
     """A family trained from scratch on zhflow's own word / character vocabularies (padding id 0)."""
 

@@ -7,7 +7,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from training.config import ModelConfig
-from training.models.base import ScratchFamily, _keep, _rows, _top, make_embedding
+from training.models.base import SCRATCH_SWEEP_SPACE, ScratchFamily, _keep, _rows, _top, make_embedding
 
 
 class BiLSTMEncoder(nn.Module):
@@ -35,6 +35,8 @@ class BiLSTMEncoder(nn.Module):
 class BiLSTM(ScratchFamily):
     name = "bilstm"
     encoder = BiLSTMEncoder
+    sweep_space = {**SCRATCH_SWEEP_SPACE, "model.hidden_size": {"choices": [64, 128, 256]},
+                   "model.dropout": {"low": 0.0, "high": 0.5}}
 
     def prune_encoder(self, sd, p, cfg, ref, amount, dims, new, update):
         """Hidden units ranked by the L2 norm of their four gates' rows, in both directions of every layer."""

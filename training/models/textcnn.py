@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from training.config import ModelConfig
-from training.models.base import ScratchFamily, _keep, _top, make_embedding
+from training.models.base import SCRATCH_SWEEP_SPACE, ScratchFamily, _keep, _top, make_embedding
 
 
 class TextCNNEncoder(nn.Module):
@@ -33,6 +33,7 @@ class TextCNNEncoder(nn.Module):
 class TextCNN(ScratchFamily):
     name = "textcnn"
     encoder = TextCNNEncoder
+    sweep_space = {**SCRATCH_SWEEP_SPACE, "model.num_filters": {"low": 50, "high": 200, "step": 50}}
 
     def min_len(self, cfg: ModelConfig) -> int:
         return max(cfg.kernel_sizes)  # the widest convolution

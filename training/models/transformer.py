@@ -15,7 +15,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from training.config import ModelConfig
-from training.models.base import ScratchFamily, _keep, _rows, _top, make_embedding
+from training.models.base import SCRATCH_SWEEP_SPACE, ScratchFamily, _keep, _rows, _top, make_embedding
 
 
 def sinusoidal(length: int, dim: int) -> torch.Tensor:
@@ -91,6 +91,14 @@ class TransformerEncoder(nn.Module):
 class Transformer(ScratchFamily):
     name = "transformer"
     encoder = TransformerEncoder
+    sweep_space = {  # every head count divides every width
+        **SCRATCH_SWEEP_SPACE,
+        "model.embed_dim": {"choices": [64, 128, 256]},
+        "model.num_layers": {"choices": [1, 2, 4]},
+        "model.num_heads": {"choices": [2, 4, 8]},
+        "model.dropout": {"low": 0.0, "high": 0.3},
+        "train.lr": {"low": 1e-4, "high": 1e-3, "log": True},
+    }
     prunes_embedding_dims = False  # the residual width stays: heads and feed-forward units go
 
     def enable_gradient_checkpointing(self, model, cfg) -> None:
