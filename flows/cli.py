@@ -313,7 +313,7 @@ def _print_sweep(summary: dict) -> None:
     from rich.table import Table
 
     trials = Table(title=f"zhflow sweep {summary['study']}")
-    for column in ("trial", "state", "best val macro-F1", "epochs", "seconds"):
+    for column in ("trial", "state", "best val\nmacro-F1", "epochs", "seconds"):  # narrow: the settings need the width
         trials.add_column(column)
     trials.add_column("settings", overflow="fold")  # one per line, never cut: the point of the table
     for row in summary["table"]:
