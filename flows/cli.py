@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -277,10 +278,19 @@ def pretrain_command(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 
 def sweep_command(args: argparse.Namespace, config: PipelineConfig) -> int:
-    from training.sweep import SpaceError, load_space
+    from training.sweep import STUDY_NAME, STUDY_NAME_RULE, SpaceError, default_space, grid, load_space
 
+    if args.study is not None and not re.match(STUDY_NAME, args.study):
+        print(f"zhflow: error: --study {args.study!r}: a study name {STUDY_NAME_RULE}", file=sys.stderr)
+        return 2
     try:
         space = load_space(args.space) if args.space else None
+        if args.sampler == "grid":  # every setting needs its values listed: found now, not once the sweep has started
+            try:
+                grid(space or default_space(config))
+            except SpaceError as err:
+                where = args.space or f"the built-in space of {config.model.name} (give one with --space)"
+                raise SpaceError(f"{where}: {err}") from None
     except SpaceError as err:
         print(f"zhflow: error: {err}", file=sys.stderr)
         return 2

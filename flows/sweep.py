@@ -10,7 +10,7 @@ import math
 import os
 from typing import Annotated, Literal, Optional
 
-from prefect import flow, get_client, get_run_logger
+from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
@@ -19,13 +19,14 @@ from training.config import ExperimentName, PipelineConfig
 from training.models import check_model, check_student
 from training.presets import PresetName, on_preset
 from training.paths import check_config_paths, check_space_paths
-from training.sweep import check_space, default_space, grid
+from training.sweep import STUDY_NAME, check_space, default_space, grid
 from flows.pipeline import choose_candidate
 from tasks.baseline import baseline_model
 from tasks.evaluate import evaluate_model
 from tasks.register import register_model
 from tasks.schedule import scheduled_slot, skipped
-from tasks.sweep import log_sweep_summary, open_study, optimize, recover_interrupted, run_trial, share_gpus, study_storage
+from tasks.sweep import (free_stale_slots, log_sweep_summary, open_study, optimize, recover_interrupted, run_trial, share_gpus,
+                         study_storage)
 from tasks.tracking import close_pipeline_run, fail_open_runs, open_pipeline_run
 
 
@@ -43,7 +44,7 @@ def sweep(
     pruner: Literal["median", "successive_halving", "none"] = "median",
     space: Optional[dict[str, dict]] = None,
     parallel: Annotated[int, Field(ge=1, le=256)] = 1,
-    study: Optional[Annotated[str, Field(min_length=1, max_length=200)]] = None,
+    study: Optional[Annotated[str, Field(min_length=1, max_length=200, pattern=STUDY_NAME)]] = None,
     seed: Optional[Annotated[int, Field(ge=0, le=2**32 - 1)]] = 13,
     experiment: ExperimentName = "zhflow-sweep",
     preset: Optional[PresetName] = None,
@@ -57,7 +58,7 @@ def sweep(
         pruner: Stops a trial whose validation macro-F1 falls behind: median of the finished trials at the same epoch, or successive halving.
         space: Settings to search, e.g. {"train.lr": {"low": 0.0003, "high": 0.003, "log": true}}. Empty: the built-in space (for the pretrained family: learning rate, batch size, warm-up, epochs, weight decay).
         parallel: Trials run at once; each gets its share of the CPU cores, or its own GPU(s) on a GPU machine.
-        study: Optuna study name; running again with the same name continues that study. Empty: a new study.
+        study: Optuna study name; running again with the same name continues that study (not / % & < >). Empty: a new study.
         seed: Seed of the sampler: with parallel 1, the same seed and space give the same suggestions.
         experiment: MLflow experiment of the sweep's runs.
         preset: Start the trials from a preset (tiny, default, gpu, finetune), the settings given in config on top. Empty: config as it is (the default preset when config is empty too).
@@ -90,8 +91,8 @@ def sweep(
     if redo := recover_interrupted(opened):
         logger.warning("study %r: trial(s) %s lost their process (no heartbeat); they are run again first", study_name, redo)
     earlier = len(opened.trials)
-    with get_client(sync_client=True) as client:
-        client.upsert_global_concurrency_limit_by_name(limit, parallel)
+    if freed := free_stale_slots(opened, limit, parallel):
+        logger.warning("study %r: %d trial slot(s) of an interrupted sweep freed", study_name, freed)
     logger.info("study %r (%d earlier trials) in %s; %d trial(s), %d at a time, %d core(s) each",
                 study_name, earlier, storage.split("@")[-1], trials, parallel, cpus)
     # the sampler's seed follows the study's trial count: a continued study does not repeat its first suggestions

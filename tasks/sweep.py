@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 import mlflow
 import optuna
 from mlflow.tracking import MlflowClient
-from prefect import get_run_logger, task
+from prefect import get_client, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
 
@@ -89,6 +89,23 @@ def recover_interrupted(study: optuna.Study) -> list[int]:
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
     return sorted({t.number for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))} - before)
+
+
+def free_stale_slots(study: optuna.Study, limit: str, parallel: int) -> int:
+    """The study's concurrency limit set to ``parallel`` slots, and the slots still taken freed when no trial of the
+    study is running (after ``recover_interrupted``): a trial holds its slot only while it runs, so those are slots a
+    sweep that was interrupted never gave back. A temporary Prefect server keeps its leases in memory and forgets them
+    when it stops, and the next one would then wait for those slots for ever. Returns how many were freed."""
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
+
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(limit, parallel)
+        if study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            return 0  # another sweep of this study is running: its slots are its own
+        held = client.read_global_concurrency_limit_by_name(limit).active_slots
+        if held:
+            client.update_global_concurrency_limit(limit, GlobalConcurrencyLimitUpdate(active_slots=0))
+        return held
 
 
 _GPU_POOLS: dict[str, queue.Queue] = {}  # per sweep: the GPU slices its parallel trials take turns on
@@ -165,7 +182,8 @@ def run_trial(base: PipelineConfig, space: dict, trial: optuna.Trial, sweep: dic
     params = suggest(trial, space)
     started = time.perf_counter()
     # at most --parallel trials of this study at once on this server, each on its share of the GPUs
-    with concurrency(limit, occupy=1), _gpus(limit) as gpus, mlflow.start_run(
+    # a lease of 60 s, renewed while this process lives: on a server, a killed sweep's slot is freed within a minute
+    with concurrency(limit, occupy=1, lease_duration=60), _gpus(limit) as gpus, mlflow.start_run(
             experiment_id=sweep["experiment_id"], run_name=f"trial-{trial.number}", parent_run_id=sweep["run_id"],
             nested=True, tags={STAGE_TAG: "trial", "optuna.study": trial.study.study_name,
                                "optuna.trial_number": str(trial.number), **origin_tags()}) as run:

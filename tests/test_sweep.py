@@ -328,3 +328,42 @@ def test_a_stopped_trial_logs_the_epochs_its_worker_had_not_sent(mlflow_store):
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "val_macro_f1")] == [(1, 0.5), (2, 0.6), (3, 0.55)]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss_epoch")] == [2, 3]
     assert "sent" not in client.get_run(run.info.run_id).data.metrics
+
+
+def test_a_slot_an_interrupted_sweep_kept_is_freed_unless_a_trial_of_the_study_runs(prefect_server, tmp_path):
+    """A temporary Prefect server forgets its leases when it stops: a slot a sweep took and never gave back (Ctrl-C
+    took the server down with it) would keep the next sweep of the study waiting for ever."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
+
+    from tasks.sweep import free_stale_slots
+
+    limit = "zhflow-sweep-stale"
+    study = optuna.create_study(study_name="stale", storage=f"sqlite:///{tmp_path / 'o.db'}", direction="maximize")
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(limit, 1)
+        client.update_global_concurrency_limit(limit, GlobalConcurrencyLimitUpdate(active_slots=1))  # never given back
+        running = study.ask()  # another sweep of the study, alive: its slot stays taken
+        assert free_stale_slots(study, limit, 2) == 0
+        assert client.read_global_concurrency_limit_by_name(limit).active_slots == 1
+        study.tell(running, 0.5)
+        assert free_stale_slots(study, limit, 2) == 1  # no trial runs: the slot was left behind
+        freed = client.read_global_concurrency_limit_by_name(limit)
+        assert freed.active_slots == 0 and freed.limit == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--study", "team/reviews"], "--study 'team/reviews': a study name needs a character other than a space, and none of / % & < >"),
+    (["--study", "  "], "a study name needs a character other than a space"),
+    (["--sampler", "grid"], "the built-in space of textcnn (give one with --space): model.dropout: the grid sampler needs choices"),
+    (["--sampler", "grid", "--space", "SPACE"], "space.yaml: train.lr: the grid sampler needs choices or a range with a step"),
+    (["--space", "EMPTY"], "empty.yaml: the file names no setting (it is empty, or comments only)"),
+])
+def test_a_sweep_that_could_not_run_is_refused_before_any_work(tmp_path, capsys, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "space.yaml").write_text("train.lr: {low: 0.001, high: 0.01}\n", encoding="utf-8")
+    (tmp_path / "empty.yaml").write_text("# nothing searched yet\n", encoding="utf-8")
+    args = [{"SPACE": "space.yaml", "EMPTY": "empty.yaml"}.get(a, a) for a in args]
+    assert zhflow(["sweep", "--preset", "tiny", "--trials", "1"] + args) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "mlflow.db").exists()  # nothing recorded, no server started

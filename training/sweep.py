@@ -39,6 +39,11 @@ def default_space(config: PipelineConfig) -> dict[str, dict]:
     return family_of(config.model).sweep_space or DEFAULT_SPACE
 
 
+# a study's name: Prefect's concurrency limits (one per study) refuse these characters in their names
+STUDY_NAME = r"^[^/%&><]*[^/%&><\s][^/%&><]*$"
+STUDY_NAME_RULE = "needs a character other than a space, and none of / % & < >"
+
+
 class SpaceError(ConfigError):
     """A search space that cannot be used; the message names the file and the setting."""
 
@@ -107,6 +112,8 @@ def load_space(path: str | Path) -> dict[str, dict]:
         why = (f"line {mark.line + 1}, column {mark.column + 1}: {': '.join(filter(None, (err.context, err.problem)))}"
                if mark is not None else str(err))
         raise SpaceError(f"search space {path}: not valid UTF-8 {'JSON' if path.suffix == '.json' else 'YAML'}: {why}") from None
+    if data is None:  # YAML of nothing but comments or blank lines
+        raise SpaceError(f"search space {path}: the file names no setting (it is empty, or comments only)")
     return check_space(data, str(path))
 
 
