@@ -392,7 +392,9 @@ def predict_command(args: argparse.Namespace) -> int:
         cells += [f"{r[k]:.4f}" for k in probs] if len(probs) <= 4 else [f"{r.get('prob_' + str(r['label']), max(r[k] for k in probs)):.4f}"]
         table.add_row(*cells)
     Console().print(table)
-    if blank := sum(1 for t in texts if not t.strip()):
+    from training.text.clean import normalize
+
+    if blank := sum(1 for t in texts if not normalize(t)):  # blank once cleaned: a zero-width space, a control character
         print(f"note: {blank} blank text(s): their label says nothing about a text (the model's answer to no input)",
               file=sys.stderr)
     if len(probs) > 4 and not args.json_out:
@@ -600,11 +602,39 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(parser, parser.parse_args(argv))
 
 
+def _server_apart() -> None:
+    """Start the temporary Prefect server in a session of its own. A Ctrl-C in the terminal goes to every process of
+    the foreground group: in zhflow's, the server died at once under the flow still reporting to it, and the command
+    spent minutes on connection errors before it ended, its runs left RUNNING. Apart, it answers while zhflow ends its
+    runs, and stops when zhflow exits (Prefect's atexit); one left by a killed zhflow is ended by the next command
+    (``tasks.recover``, by the owner mark it inherits)."""
+    import functools
+    import subprocess
+
+    from prefect.server.api import server
+
+    start = server.SubprocessASGIServer._run_uvicorn_command
+    if getattr(start, "apart", False):
+        return
+
+    def run_uvicorn_command(self):
+        popen = subprocess.Popen
+        subprocess.Popen = functools.partial(popen, start_new_session=True)
+        try:
+            return start(self)
+        finally:
+            subprocess.Popen = popen
+
+    run_uvicorn_command.apart = True
+    server.SubprocessASGIServer._run_uvicorn_command = run_uvicorn_command
+
+
 def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     _quiet_env()  # before anything imports Prefect
     from tasks.recover import OWNER_ENV, owner
 
     os.environ[OWNER_ENV] = owner()  # every process started from here (the temporary Prefect server too) is found again after a kill
+    _server_apart()
     try:
         if getattr(args, "experiment", None) is not None:
             check_experiment(args.experiment)  # the flows would refuse it only after a server has started

@@ -248,7 +248,7 @@ def test_the_logged_model_carries_no_pickle_and_loads_with_pickles_refused(store
 
 
 def test_predict_gives_one_row_per_input_line_blank_ones_included(store, tmp_path, capsys):
-    lines = ["质量很好，物流也快", "", "太差了，再也不买"]
+    lines = ["质量很好，物流也快", "", "太差了，再也不买", "\u200b"]  # a zero-width space: blank once cleaned
     (tmp_path / "texts.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
     out = tmp_path / "labels.jsonl"
     assert zhflow(["predict", "--model-uri", store["model"]["uri"], "--input", str(tmp_path / "texts.txt"),
@@ -256,4 +256,7 @@ def test_predict_gives_one_row_per_input_line_blank_ones_included(store, tmp_pat
     rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert [r["text"] for r in rows] == lines  # row n is line n
     assert all(abs(r["prob_negative"] + r["prob_positive"] - 1) < 1e-5 for r in rows)
-    assert "1 blank text(s)" in capsys.readouterr().err
+    assert "2 blank text(s)" in capsys.readouterr().err
+    model = mlflow.pyfunc.load_model(store["model"]["uri"])
+    nulls = model.predict(pd.DataFrame({"text": [None, float("nan"), ""]}))  # JSON null: a blank text, never "nan"
+    assert nulls.drop(columns="label").nunique().max() == 1  # the three rows alike

@@ -118,12 +118,14 @@ def test_a_folder_that_is_not_a_whole_checkpoint_is_refused_naming_what_it_lacks
     special tokens only and every text would train as [UNK]."""
     import shutil
 
-    no_tokenizer, no_config = tmp_path / "no-tokenizer", tmp_path / "no-config"
+    no_tokenizer, no_config, no_weights = tmp_path / "no-tokenizer", tmp_path / "no-config", tmp_path / "no-weights"
     no_tokenizer.mkdir(), no_config.mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copy(tiny_bert / name, no_tokenizer / name)
     (no_config / "readme.txt").write_text("hello")
-    for folder, lacks in ((no_tokenizer, "no tokenizer vocabulary"), (no_config, "no config.json")):
+    shutil.copytree(tiny_bert, no_weights, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    for folder, lacks in ((no_tokenizer, "no tokenizer vocabulary"), (no_config, "no config.json"),
+                          (no_weights, "no weights (none of model.safetensors")):
         out = _zhflow(["run", "--preset", "tiny", "--pretrained", str(folder)], tmp_path)
         assert out.returncode == 2, out.stdout + out.stderr
         assert f"model.pretrained: '{folder}' is a folder but not a checkpoint" in out.stderr and lacks in out.stderr

@@ -133,7 +133,8 @@ def _as_texts(model_input) -> list[str]:
         values = [model_input]
     else:
         raise TypeError(f"expected a column of strings, got {type(model_input).__name__}")
-    return ["" if v is None else str(v) for v in values]
+    # a missing value (JSON null arrives as None, or as NaN in a column pandas made numeric) is a blank text, not "nan"
+    return ["" if v is None or v is pd.NA or (isinstance(v, float) and v != v) else str(v) for v in values]
 
 
 def cpu_has_bf16() -> bool:

@@ -99,6 +99,10 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", 
                    "tokenizer.model")
 
 
+# the weights as save_pretrained writes them, in one file or in shards with their index
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
 def _not_a_checkpoint(folder: Path, why: str) -> PretrainedError:
     return PretrainedError(f"model.pretrained: {str(folder)!r} is a folder but not a checkpoint in the save_pretrained "
                            f"layout: {why} (a checkpoint folder holds config.json, the weights and the tokenizer's "
@@ -149,6 +153,8 @@ def check_source(source: str | None) -> None:
             raise _not_a_checkpoint(folder, "it has no config.json")
         if not any((folder / name).is_file() for name in TOKENIZER_FILES):
             raise _not_a_checkpoint(folder, "it has no tokenizer vocabulary (none of " + ", ".join(TOKENIZER_FILES) + ")")
+        if not any((folder / name).is_file() for name in WEIGHT_FILES):  # found now, not by the worker minutes later
+            raise _not_a_checkpoint(folder, "it has no weights (none of " + ", ".join(WEIGHT_FILES) + ")")
     load_config(source)
 
 
@@ -184,7 +190,8 @@ def tokenize_splits(source: str, texts: dict[str, list[str]], max_len: int, out_
     limit = input_limit(config, tokenizer, max_len)
     truncated, lengths = {}, {}
     for split, rows in texts.items():
-        encoded = tokenizer(rows, truncation=False, add_special_tokens=True)["input_ids"] if rows else []
+        with _quiet():  # texts longer than the model are cut below, and counted: not transformers' warning of it
+            encoded = tokenizer(rows, truncation=False, add_special_tokens=True)["input_ids"] if rows else []
         full = np.array([len(ids) for ids in encoded], dtype=np.int64)
         cut = [ids if len(ids) <= limit else ids[: limit - 1] + [ids[-1]] for ids in encoded]  # the end token stays
         offsets = np.zeros(len(cut) + 1, dtype=np.int64)
