@@ -109,8 +109,12 @@ def _titled(deployment: RunnerDeployment) -> RunnerDeployment:
     for name, definition in (schema.definitions or {}).items():
         for key, field in definition.get("properties", {}).items() if name in SECTIONS else ():
             field.pop("default", None)
-            value = json.dumps(shown[SECTIONS[name]][key], ensure_ascii=False)
-            field["description"] = f"{field.get('description', '').rstrip()} Empty: the preset's value (default preset: {value})."
+            own, value = field.get("description", "").rstrip(), shown[SECTIONS[name]][key]
+            if value is None:  # the setting's own "Empty: ..." is what its unset value means, not what the form does
+                field["description"] = (f"{own.replace('Empty:', 'Unset:').replace('Empty keeps', 'Unset keeps')} "
+                                        "Empty: the preset's value (the default preset leaves it unset).")
+            else:
+                field["description"] = f"{own} Empty: the preset's value (default preset: {json.dumps(value, ensure_ascii=False)})."
     return deployment
 
 

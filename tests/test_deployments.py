@@ -63,6 +63,8 @@ def test_choices_are_enums():
     # the settings start empty, so that the form sends only what a person typed; the preset fills the rest
     assert "default" not in candidates and '(default preset: ["neural", "linear", "ensemble"])' in candidates["description"]
     assert '(default preset: "both")' in defs["ModelConfig"]["properties"]["input"]["description"]
+    nproc = defs["TrainConfig"]["properties"]["nproc"]["description"]  # unset by default: one "Empty:", the form's
+    assert nproc.count("Empty:") == 1 and "Unset: the number of GPUs" in nproc and nproc.endswith("leaves it unset).")
     sweep = _deployed("weekly-sweep")
     assert "SelectConfig" in sweep["definitions"]  # a sweep's final choice uses the same candidates
     assert _enum(sweep["properties"]["sampler"]) == ["tpe", "random", "grid"]
