@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -602,6 +603,11 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(parser, parser.parse_args(argv))
 
 
+def _terminated(signum: int, frame) -> None:
+    print("zhflow: terminated", file=sys.stderr)
+    raise SystemExit(128 + signum)
+
+
 def _server_apart() -> None:
     """Start the temporary Prefect server in a session of its own. A Ctrl-C in the terminal goes to every process of
     the foreground group: in zhflow's, the server died at once under the flow still reporting to it, and the command
@@ -630,6 +636,20 @@ def _server_apart() -> None:
 
 
 def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    # a SIGTERM (a scheduler, `timeout`) ends zhflow as an exit, not by the signal's default: Prefect marks the flow run
+    # crashed and then passes the signal on to this handler, and the exit stops the temporary server (Prefect's atexit),
+    # which runs in a session of its own and would otherwise be left running
+    try:
+        previous = signal.signal(signal.SIGTERM, _terminated)
+    except ValueError:  # not the main thread (a test's): signals are the main thread's
+        return _run_command(parser, args)
+    try:
+        return _run_command(parser, args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     _quiet_env()  # before anything imports Prefect
     from tasks.recover import OWNER_ENV, owner
 

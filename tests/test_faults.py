@@ -121,6 +121,37 @@ def test_a_hard_kill_of_the_pipeline_is_settled_by_the_next_run(tmp_path):
             os.killpg(first.pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
+def test_a_sigterm_to_the_whole_group_ends_the_runs_and_the_temporary_server(tmp_path):
+    """`timeout` and schedulers signal the command's whole process group. The temporary Prefect server runs in a session
+    of its own, so it still answers while the flow ends its runs; zhflow then exits (143) and stops it."""
+    env = _env(tmp_path)
+    log = (tmp_path / "run.log").open("w")
+    run = subprocess.Popen([ZHFLOW, "run", "--preset", "tiny", "--experiment", "term", "--set", "train.epochs=30",
+                            "--set", "train.patience=30"], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+                           start_new_session=True)
+    try:
+        _wait_for(lambda: "[train] epoch" in (tmp_path / "run.log").read_text(), 300, "training to start")
+        assert any(b"uvicorn" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in _marked(run.pid))
+        os.killpg(run.pid, signal.SIGTERM)  # as `timeout` does: the group
+        assert run.wait(timeout=120) == 128 + signal.SIGTERM
+        out = (tmp_path / "run.log").read_text()
+        assert "zhflow: terminated" in out and "ConnectError" not in out and "Error logging to API" not in out
+        _wait_for(lambda: not _marked(run.pid), 15, "the server and the workers to end")
+        client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+        runs = client.search_runs([client.get_experiment_by_name("term").experiment_id])
+        assert "RUNNING" not in {r.info.status for r in runs} and any(r.info.status == "FAILED" for r in runs)
+    finally:
+        log.close()
+        for pid in _marked(run.pid):
+            try:
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+
+
 CHECKPOINT_WRITER = """
 import sys, torch
 from training.checkpoint import save_checkpoint
