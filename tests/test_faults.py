@@ -34,6 +34,17 @@ def _marked(owner_pid: int) -> list[int]:
     return holding(f"{OWNER_ENV}={socket.gethostname()}:{owner_pid}:")
 
 
+def _kill_all(proc: subprocess.Popen) -> None:
+    """End a zhflow process started in a session of its own, and every process it left (their groups)."""
+    for pid in _marked(proc.pid):
+        try:
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def _wait_for(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -112,13 +123,7 @@ def test_a_hard_kill_of_the_pipeline_is_settled_by_the_next_run(tmp_path):
         assert sorted(states.values()) == ["COMPLETED", "CRASHED"], states
     finally:
         log.close()
-        for pid in _marked(first.pid):
-            try:
-                os.killpg(os.getpgid(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
+        _kill_all(first)
 
 
 @pytest.mark.slow
@@ -143,13 +148,7 @@ def test_a_sigterm_to_the_whole_group_ends_the_runs_and_the_temporary_server(tmp
         assert "RUNNING" not in {r.info.status for r in runs} and any(r.info.status == "FAILED" for r in runs)
     finally:
         log.close()
-        for pid in _marked(run.pid):
-            try:
-                os.killpg(os.getpgid(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
+        _kill_all(run)
 
 
 CHECKPOINT_WRITER = """
