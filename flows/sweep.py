@@ -89,7 +89,8 @@ def sweep(
     parent = open_pipeline_run(config, experiment, kind="sweep")
     opened = open_study(study_name, storage, sampler, pruner, space, seed)
     if redo := recover_interrupted(opened):
-        logger.warning("study %r: trial(s) %s lost their process (no heartbeat); they are run again first", study_name, redo)
+        logger.warning("study %r: trial(s) %s of an earlier sweep did not finish (interrupted, or their process lost); "
+                       "they are run again first", study_name, redo)
     earlier = len(opened.trials)
     if freed := free_stale_slots(opened, limit, parallel):
         logger.warning("study %r: %d trial slot(s) of an interrupted sweep freed", study_name, freed)

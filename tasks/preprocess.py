@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 import warnings
@@ -14,14 +15,16 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import CacheKeyFnPolicy
 from prefect.locking.filesystem import FileSystemLockManager
 from prefect.artifacts import create_markdown_artifact
+from prefect.transactions import BaseTransaction
 
 import training.data
 import training.text
 from training.config import AugmentConfig, DataConfig, PreprocessConfig
-from training.data.prepare import MANIFEST, manifest_markdown, prepare_dataset
+from training.data.prepare import MANIFEST, load_manifest, manifest_markdown, prepare_dataset
 from training.data.readers import dataset_digest
 from training.models import tokenizer_key
 from training.text.segment import file_digest
+from tasks.recover import owner, owner_gone
 from tasks.tracking import stage_run, work_root
 
 
@@ -63,18 +66,66 @@ def _cache_key(ctx, params: dict) -> str:
     return "zhflow-prepare-" + hashlib.sha256(str(params["out_dir"]).encode()).hexdigest()[:32]
 
 
+class OwnedLockManager(FileSystemLockManager):
+    """Prefect's lock files, each marked with the process that holds it (``tasks.recover.owner``): a lock whose
+    process is gone (killed while it prepared the folder) is removed instead of waited for, for ever."""
+
+    def _mark(self, key: str) -> Path:
+        return self._lock_path_for_key(key).with_suffix(".owner")
+
+    def acquire_lock(self, key: str, holder: str, acquire_timeout: float | None = None,
+                     hold_timeout: float | None = None) -> bool:
+        acquired = super().acquire_lock(key, holder, acquire_timeout, hold_timeout)
+        if acquired:
+            self._mark(key).write_text(owner())
+        return acquired
+
+    def release_lock(self, key: str, holder: str) -> None:
+        super().release_lock(key, holder)
+        self._mark(key).unlink(missing_ok=True)
+
+    def is_locked(self, key: str, use_cache: bool = False) -> bool:
+        if not super().is_locked(key, use_cache):
+            return False
+        try:
+            mark = self._mark(key).read_text()
+        except OSError:  # not marked yet (being taken now), or by an older zhflow: held
+            return True
+        if not owner_gone(mark):
+            return True
+        self._lock_path_for_key(key).unlink(missing_ok=True)
+        self._mark(key).unlink(missing_ok=True)
+        self._locks.pop(key, None)
+        return False
+
+
 def _cache_policy() -> CacheKeyFnPolicy:
     """Cached by content address; SERIALIZABLE with a file lock, so parallel sweep trials that need the same
     prepared folder wait for the first one instead of writing it twice."""
     locks = work_root() / "locks"
     locks.mkdir(parents=True, exist_ok=True)
     return CacheKeyFnPolicy(cache_key_fn=_cache_key).configure(
-        isolation_level="SERIALIZABLE", lock_manager=FileSystemLockManager(lock_files_directory=locks))
+        isolation_level="SERIALIZABLE", lock_manager=OwnedLockManager(lock_files_directory=locks))
+
+
+def _own_transaction(call):
+    """``call()`` outside the enclosing Prefect transaction (a sweep trial's task): its cached result is committed and
+    its lock released when it returns. Nested, Prefect defers both to the outermost task's end: a trial held the
+    lock while it trained, so that parallel trials on the same data ran one after the other, and a Ctrl-C left the
+    lock behind for the next sweep to wait on for ever."""
+    def detached():
+        BaseTransaction.__var__.set(None)  # no parent: Prefect's get_transaction() reads this variable
+        return call()
+
+    return contextvars.copy_context().run(detached)
 
 
 @task(name="prepare-data", persist_result=True)
 def prepare_data(data: DataConfig, pre: PreprocessConfig, augment: AugmentConfig, out_dir: str,
                  tokenizer: str | None = None, unlabelled: str | None = None, spans: int = 0) -> dict:
+    if (Path(out_dir) / MANIFEST).is_file():  # its name is its content's address: prepared while this task waited for
+        # the lock (a parallel trial; rewriting it would pull it from under that trial's worker), or its record was lost
+        return {"path": out_dir, "manifest": load_manifest(out_dir), "reused": True}
     manifest = prepare_dataset(data, pre, out_dir, progress=True, augment=augment, tokenizer=tokenizer,
                                unlabelled=unlabelled, spans=spans)
     return {"path": out_dir, "manifest": manifest}
@@ -90,11 +141,11 @@ def preprocess(data: DataConfig, pre: PreprocessConfig, augment: AugmentConfig, 
     out_dir = work_root() / "prepared" / preprocess_key(data, pre, augment, tokenizer, unlabelled, spans)
     fresh = not (out_dir / MANIFEST).is_file()  # the folder is gone: the cache entry is stale
     with stage_run(parent, stage) as run:
-        state = prepare_data.with_options(refresh_cache=fresh, cache_policy=_cache_policy())(
-            data, pre, augment, str(out_dir), tokenizer, unlabelled, spans, return_state=True)
+        state = _own_transaction(lambda: prepare_data.with_options(refresh_cache=fresh, cache_policy=_cache_policy())(
+            data, pre, augment, str(out_dir), tokenizer, unlabelled, spans, return_state=True))
         prepared = state.result()
         manifest = prepared["manifest"]
-        cached = state.name == "Cached"
+        cached = state.name == "Cached" or prepared.pop("reused", False)
         mlflow.set_tags({"cache_hit": str(cached).lower(), "prepared_dir": prepared["path"]})
         mlflow.log_metrics({f"count_{k}": v for k, v in manifest["counts"].items()}
                            | {f"{s}_texts": v["n"] for s, v in manifest["splits"].items()}

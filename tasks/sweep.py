@@ -64,6 +64,14 @@ def make_pruner(name: str) -> optuna.pruners.BasePruner:
 
 
 HEARTBEAT_S, GRACE_S = 20, 90  # a running trial beats every 20 s; one silent for 90 s was lost with its process
+MAX_RETRY = 2  # times a trial that did not finish is run again
+FAILURE_ATTR = "failure"  # a trial that failed of itself (settings refused, worker failed) says why; an interrupted one does not
+
+
+def _retry() -> optuna.storages.RetryHeartbeatStaleTrialCallback:
+    with warnings.catch_warnings():  # Optuna marks it experimental
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRY)
 
 
 def storage_of(url: str) -> optuna.storages.RDBStorage:
@@ -71,9 +79,8 @@ def storage_of(url: str) -> optuna.storages.RDBStorage:
     by ``fail_stale_trials`` and run again first (``RetryHeartbeatStaleTrialCallback``: the same settings, enqueued)."""
     with warnings.catch_warnings():  # Optuna marks the heartbeat experimental
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=2)
         return optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
-                                          heartbeat_stale_trial_callback=retry)
+                                          heartbeat_stale_trial_callback=_retry())
 
 
 def open_study(name: str, storage: str, sampler: str, pruner: str, space: dict, seed: int | None) -> optuna.Study:
@@ -83,12 +90,36 @@ def open_study(name: str, storage: str, sampler: str, pruner: str, space: dict, 
 
 
 def recover_interrupted(study: optuna.Study) -> list[int]:
-    """Trials whose process died (their heartbeat stopped) failed and queued again; the numbers of those failed."""
-    before = {t.number for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))}
-    with warnings.catch_warnings():  # Optuna marks fail_stale_trials experimental
+    """Trials an earlier sweep of the study did not finish, queued again with their settings (each at most MAX_RETRY
+    times) so that they run first: those whose process died (their heartbeat stopped: failed here) and those an
+    interrupt ended (a Ctrl-C or a SIGTERM: failed without a failure of their own). The numbers of those queued."""
+    fail = optuna.trial.TrialState.FAIL
+    before = {t.number for t in study.get_trials(deepcopy=False, states=(fail,))}
+    with warnings.catch_warnings():  # Optuna marks fail_stale_trials and the retry history experimental
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        optuna.storages.fail_stale_trials(study)
-    return sorted({t.number for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))} - before)
+        optuna.storages.fail_stale_trials(study)  # queues them again itself (storage_of)
+        trials = study.get_trials(deepcopy=False)
+        stale = {t.number for t in trials if t.state == fail} - before
+        retried = {n for t in trials for n in optuna.storages.RetryHeartbeatStaleTrialCallback.retry_history(t)}
+        retry, queued = _retry(), []
+        for t in trials:
+            if t.state == fail and t.number not in stale | retried and FAILURE_ATTR not in t.user_attrs:
+                count = len(study.get_trials(deepcopy=False))
+                retry(study, t)
+                if len(study.get_trials(deepcopy=False)) > count:  # not when it was run again MAX_RETRY times already
+                    queued.append(t.number)
+    return sorted(stale | set(queued))
+
+
+def _fail_running(study: optuna.Study, numbers: set[int]) -> None:
+    """Trials of ``numbers`` still RUNNING told FAIL: Optuna fails a trial on a Ctrl-C (KeyboardInterrupt) but leaves
+    it RUNNING on a SystemExit (zhflow's answer to SIGTERM), where only the heartbeat's grace period would end it."""
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        if t.number in numbers:
+            try:
+                study.tell(t.number, state=optuna.trial.TrialState.FAIL)
+            except Exception:  # noqa: BLE001 - the storage itself gone: the heartbeat ends it later
+                pass
 
 
 def free_stale_slots(study: optuna.Study, limit: str, parallel: int) -> int:
@@ -157,19 +188,27 @@ def optimize(study: optuna.Study, trials: int, parallel: int, run: Callable[[opt
     threads start without it, so each call gets a copy). The trials' summaries, in trial order."""
     context = contextvars.copy_context()
     results: list[dict] = []
+    started: set[int] = set()
     lock = threading.Lock()
 
     def objective(trial: optuna.Trial) -> float:
+        with lock:
+            started.add(trial.number)
         result = context.copy().run(run, trial)
         with lock:
             results.append(result)
         if result["state"] == "pruned":
             raise optuna.TrialPruned(result["reason"])
         if result["state"] == "failed":
+            trial.set_user_attr(FAILURE_ATTR, (result["reason"] or "failed")[:2000])  # not run again by a resumed sweep
             raise TrialFailed(result["reason"])
         return result["value"]
 
-    study.optimize(objective, n_trials=trials, n_jobs=parallel, catch=(TrialFailed,))
+    try:
+        study.optimize(objective, n_trials=trials, n_jobs=parallel, catch=(TrialFailed,))
+    except BaseException:  # interrupted: its trials end FAIL, run again first when the study is resumed
+        _fail_running(study, started)
+        raise
     return sorted(results, key=lambda r: r["number"])
 
 

@@ -167,3 +167,43 @@ def test_preprocess_cache_reuse_rebuild_and_invalidation(prefect_server, mlflow_
     stop.write_text("购买\n次\n", encoding="utf-8")  # the file's content, not its name, is in the key
     assert prep_only(apply_overrides(cfg, [f"preprocess.stopwords_file={stop}"]))["path"] != changed["path"]
     assert prep_only(apply_overrides(cfg, ["data.seed=99"]))["path"] != first["path"]
+
+
+def test_data_prepared_inside_a_task_is_committed_at_once_and_a_killed_holders_lock_is_not_waited_for(
+        prefect_server, mlflow_store, tmp_path, small_csv):
+    """A sweep trial prepares its data inside its own task: the folder's lock is released and its cache record
+    written when the preparing ends, not when the trial does (parallel trials on the same data ran one after the
+    other, and a Ctrl-C left the lock for the next sweep to wait on for ever). A lock whose process is gone (killed
+    while preparing) is removed; one held by a live process is waited for."""
+    from prefect import flow, task
+
+    from tasks.preprocess import OwnedLockManager, preprocess
+    from tasks.recover import owner
+    from tasks.tracking import open_pipeline_run
+
+    locks = tmp_path / "zhflow-home" / "locks"
+
+    @task
+    def trial(cfg, parent):
+        prepared = preprocess(cfg.data, cfg.preprocess, cfg.augment, parent)
+        return prepared, sorted(p.name for p in locks.iterdir() if p.name.startswith("zhflow-prepare"))
+
+    @flow
+    def sweep_like(cfg):
+        return trial(cfg, open_pipeline_run(cfg, "locks"))
+
+    cfg = apply_overrides(tiny(), [f"data.dataset={small_csv}", "data.max_samples=null"])
+    first, held = sweep_like(cfg)
+    assert first["cached"] is False and held == []  # released while the trial still ran
+    second, _ = sweep_like(cfg)
+    assert second["cached"] is True  # the record was written then too
+
+    manager = OwnedLockManager(lock_files_directory=locks)
+    assert manager.acquire_lock("k", holder="a live trial") and manager.is_locked("k")
+    host, pid, start, *rest = (locks / "k.owner").read_text().split(":")
+    assert f"{host}:{pid}" == ":".join(owner().split(":")[:2])
+    (locks / "k.owner").write_text(":".join([host, pid, str(int(start) + 1), *rest]))  # that process is gone now
+    assert not manager.is_locked("k") and not (locks / "k.lock").exists()
+    assert manager.acquire_lock("k", holder="the next trial") and manager.is_lock_holder("k", "the next trial")
+    manager.release_lock("k", "the next trial")
+    assert not list(locks.glob("k.*"))

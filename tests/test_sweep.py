@@ -244,7 +244,7 @@ def test_a_trial_whose_process_died_is_run_again_first_and_a_live_one_is_left_al
     done = study.ask()
     done.suggest_float("train.lr", 1e-3, 1e-2)
     study.tell(done, 0.8)
-    time.sleep(4.5)
+    time.sleep(5.5)  # SQLite's clock counts whole seconds: 4.5 s can read as 4, not past the grace period
     resumed = sweeps.open_study("s", url, "random", "none", {}, seed=1)
     storage.record_heartbeat(alive._trial_id)  # still beating
     assert sweeps.recover_interrupted(resumed) == [lost.number]
@@ -254,6 +254,47 @@ def test_a_trial_whose_process_died_is_run_again_first_and_a_live_one_is_left_al
     assert [t.state.name for t in resumed.trials][:3] == ["FAIL", "RUNNING", "COMPLETE"]
     storage.record_heartbeat(alive._trial_id)
     assert sweeps.recover_interrupted(resumed) == []  # nothing else stopped beating
+
+
+def test_trials_an_interrupt_ended_are_run_again_first_and_those_that_failed_of_themselves_are_not(tmp_path):
+    """A Ctrl-C (KeyboardInterrupt: Optuna fails the trial) or a SIGTERM (zhflow's SystemExit: Optuna would leave it
+    RUNNING) ends the sweep's trial FAIL; the resumed study runs it again first with its settings, at most MAX_RETRY
+    times; a trial whose settings were refused or whose worker failed is not run again."""
+    import tasks.sweep as sweeps
+
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    stop = {"at": 2, "how": KeyboardInterrupt}
+
+    def run(trial):
+        lr = trial.suggest_float("train.lr", 1e-4, 1e-2, log=True)
+        if trial.number == stop["at"]:
+            raise stop["how"]()
+        failed = trial.number == 1
+        return {"number": trial.number, "state": "failed" if failed else "complete", "value": None if failed else lr,
+                "reason": "settings refused" if failed else None}
+
+    study = sweeps.open_study("i", url, "random", "none", {}, seed=1)
+    with pytest.raises(KeyboardInterrupt):
+        sweeps.optimize(study, 5, 1, run)
+    lrs = {t.number: t.params["train.lr"] for t in study.trials}
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "FAIL", "FAIL"]
+    assert study.trials[1].user_attrs["failure"] == "settings refused"
+    resumed = sweeps.open_study("i", url, "random", "none", {}, seed=2)
+    assert sweeps.recover_interrupted(resumed) == [2]
+    assert sweeps.recover_interrupted(resumed) == []  # queued once
+    stop.update(at=3, how=lambda: SystemExit(143))  # the queued trial, interrupted again by a SIGTERM
+    with pytest.raises(SystemExit):
+        sweeps.optimize(resumed, 5, 1, run)
+    assert resumed.trials[3].state.name == "FAIL" and resumed.trials[3].params["train.lr"] == lrs[2]
+    assert sweeps.recover_interrupted(resumed) == [3]
+    stop.update(at=4, how=KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        sweeps.optimize(resumed, 5, 1, run)
+    assert resumed.trials[4].params["train.lr"] == lrs[2]
+    assert sweeps.recover_interrupted(resumed) == []  # run again MAX_RETRY times: left failed
+    results = sweeps.optimize(resumed, 1, 1, run)
+    assert [r["state"] for r in results] == ["complete"]
+    assert resumed.trials[5].params["train.lr"] not in lrs.values()  # a new trial, not a retry
 
 
 def test_optimize_runs_trials_as_tasks_of_the_flow_run_and_tells_every_outcome(prefect_server, tmp_path):
