@@ -38,6 +38,9 @@ from training.models import family_of
 from training.models.base import Family
 
 POLL_SECONDS = 0.2  # how often the events file is read while the workers run
+# set when a sweep is interrupted (Ctrl-C, SIGTERM: tasks/sweep.py optimize): each launcher ends its workers and
+# raises KeyboardInterrupt within POLL_SECONDS, in whichever thread it runs (parallel trials run in Optuna's threads)
+STOPPING = threading.Event()
 _ERROR_LINE = re.compile(r"^\s*(\w+\.)*\w*(Error|Exception|Interrupt)\b.*")
 _FAILED_LINE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")  # torchrun, as a worker group fails
 
@@ -201,6 +204,8 @@ def launch_training(job: WorkerJob | PretrainJob, on_epoch: Callable[[int, dict]
                     result = event
             if not running:
                 break
+            if STOPPING.is_set():
+                raise KeyboardInterrupt(f"{job.stage}: interrupted")
             time.sleep(POLL_SECONDS)
         if stopped_at is not None:
             _log_unsent(job.mlflow_run_id, history)

@@ -28,6 +28,7 @@ from training.config import ConfigError, PipelineConfig, flatten
 from training.models import tokenizer_source
 from training.sweep import apply_params, grid, suggest
 from tasks.distill import distil
+from tasks.launch import STOPPING
 from tasks.preprocess import preprocess
 from tasks.prune import prune_round
 from tasks.tracking import STAGE_TAG, origin_tags, stage_run, work_root
@@ -74,13 +75,24 @@ def _retry() -> optuna.storages.RetryHeartbeatStaleTrialCallback:
         return optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRY)
 
 
+class _Storage(optuna.storages.RDBStorage):
+    """Trial states changed one at a time in this process. SQLite has no SELECT ... FOR UPDATE: two of a sweep's
+    parallel threads could both read a queued trial as WAITING and both set it RUNNING, training it twice into one
+    folder (seen with two interrupted trials queued again)."""
+
+    _state_lock = threading.Lock()
+
+    def set_trial_state_values(self, trial_id: int, state: optuna.trial.TrialState, values=None) -> bool:
+        with self._state_lock:
+            return super().set_trial_state_values(trial_id, state, values)
+
+
 def storage_of(url: str) -> optuna.storages.RDBStorage:
     """The study's SQL storage with Optuna's heartbeat: a trial whose process died (no beat for GRACE_S) is failed
     by ``fail_stale_trials`` and run again first (``RetryHeartbeatStaleTrialCallback``: the same settings, enqueued)."""
     with warnings.catch_warnings():  # Optuna marks the heartbeat experimental
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
-                                          heartbeat_stale_trial_callback=_retry())
+        return _Storage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, heartbeat_stale_trial_callback=_retry())
 
 
 def open_study(name: str, storage: str, sampler: str, pruner: str, space: dict, seed: int | None) -> optuna.Study:
@@ -204,11 +216,31 @@ def optimize(study: optuna.Study, trials: int, parallel: int, run: Callable[[opt
             raise TrialFailed(result["reason"])
         return result["value"]
 
+    # Optuna asks in a thread of its own: a Ctrl-C or a SIGTERM reaches the main thread only, which would otherwise
+    # wait in Optuna's thread pool for the trials running in parallel to end (an hour each, say) before it stopped
+    failed: list[BaseException] = []
+    done = threading.Event()  # not Thread.join: on Python 3.11 a join the signal interrupts marks the thread ended
+
+    def search() -> None:
+        try:
+            study.optimize(objective, n_trials=trials, n_jobs=parallel, catch=(TrialFailed,))
+        except BaseException as err:  # noqa: BLE001 - raised again in the caller's thread
+            failed.append(err)
+        finally:
+            done.set()
+
+    threading.Thread(target=search, name="sweep-trials", daemon=True).start()
     try:
-        study.optimize(objective, n_trials=trials, n_jobs=parallel, catch=(TrialFailed,))
-    except BaseException:  # interrupted: its trials end FAIL, run again first when the study is resumed
+        while not done.wait(0.5):
+            pass
+    except BaseException:  # interrupted: every running trial's workers end now and the trials FAIL, to be run again
+        STOPPING.set()  # first when the study is resumed (recover_interrupted)
+        done.wait()
         _fail_running(study, started)
+        STOPPING.clear()
         raise
+    if failed:
+        raise failed[0]
     return sorted(results, key=lambda r: r["number"])
 
 

@@ -256,45 +256,69 @@ def test_a_trial_whose_process_died_is_run_again_first_and_a_live_one_is_left_al
     assert sweeps.recover_interrupted(resumed) == []  # nothing else stopped beating
 
 
-def test_trials_an_interrupt_ended_are_run_again_first_and_those_that_failed_of_themselves_are_not(tmp_path):
-    """A Ctrl-C (KeyboardInterrupt: Optuna fails the trial) or a SIGTERM (zhflow's SystemExit: Optuna would leave it
-    RUNNING) ends the sweep's trial FAIL; the resumed study runs it again first with its settings, at most MAX_RETRY
-    times; a trial whose settings were refused or whose worker failed is not run again."""
+def test_an_interrupt_ends_parallel_trials_at_once_and_the_resumed_study_runs_them_again_first(tmp_path):
+    """A Ctrl-C (SIGINT) or a SIGTERM reaches the main thread only; the trials running in Optuna's threads are
+    stopped at once (their launchers see ``STOPPING``, as a worker's launcher does) instead of being waited for to
+    their end, and end FAIL. The resumed study runs each again first with its settings, at most MAX_RETRY times; a
+    trial whose settings were refused or whose worker failed is not run again."""
+    import signal
+    import time
+
     import tasks.sweep as sweeps
+    from tasks.launch import STOPPING
 
     url = f"sqlite:///{tmp_path / 'optuna.db'}"
-    stop = {"at": 2, "how": KeyboardInterrupt}
+    started = {n: threading.Event() for n in range(10)}
+    plan = {2: ("wait", 3, signal.SIGINT), 3: ("wait", None, None), 4: ("wait", None, signal.SIGTERM),
+            6: ("wait", None, signal.SIGINT), 1: ("failed",)}
 
     def run(trial):
         lr = trial.suggest_float("train.lr", 1e-4, 1e-2, log=True)
-        if trial.number == stop["at"]:
-            raise stop["how"]()
-        failed = trial.number == 1
+        started[trial.number].set()
+        what = plan.get(trial.number, ("complete",))
+        if what[0] == "wait":  # a trial training: its launcher stops when the sweep is interrupted
+            _, after, sig = what
+            if after is not None:
+                assert started[after].wait(30)
+            if sig is not None:
+                os.kill(os.getpid(), sig)
+            assert STOPPING.wait(30), "the interrupted sweep did not stop its running trials"
+            raise KeyboardInterrupt("train: interrupted")
+        failed = what[0] == "failed"
         return {"number": trial.number, "state": "failed" if failed else "complete", "value": None if failed else lr,
                 "reason": "settings refused" if failed else None}
 
+    def sigterm(signum, frame):
+        raise SystemExit(128 + signum)
+
     study = sweeps.open_study("i", url, "random", "none", {}, seed=1)
-    with pytest.raises(KeyboardInterrupt):
-        sweeps.optimize(study, 5, 1, run)
-    lrs = {t.number: t.params["train.lr"] for t in study.trials}
-    assert [t.state.name for t in study.trials] == ["COMPLETE", "FAIL", "FAIL"]
+    assert [r["state"] for r in sweeps.optimize(study, 2, 1, run)] == ["complete", "failed"]
     assert study.trials[1].user_attrs["failure"] == "settings refused"
-    resumed = sweeps.open_study("i", url, "random", "none", {}, seed=2)
-    assert sweeps.recover_interrupted(resumed) == [2]
-    assert sweeps.recover_interrupted(resumed) == []  # queued once
-    stop.update(at=3, how=lambda: SystemExit(143))  # the queued trial, interrupted again by a SIGTERM
-    with pytest.raises(SystemExit):
-        sweeps.optimize(resumed, 5, 1, run)
-    assert resumed.trials[3].state.name == "FAIL" and resumed.trials[3].params["train.lr"] == lrs[2]
-    assert sweeps.recover_interrupted(resumed) == [3]
-    stop.update(at=4, how=KeyboardInterrupt)
-    with pytest.raises(KeyboardInterrupt):
-        sweeps.optimize(resumed, 5, 1, run)
-    assert resumed.trials[4].params["train.lr"] == lrs[2]
-    assert sweeps.recover_interrupted(resumed) == []  # run again MAX_RETRY times: left failed
-    results = sweeps.optimize(resumed, 1, 1, run)
-    assert [r["state"] for r in results] == ["complete"]
-    assert resumed.trials[5].params["train.lr"] not in lrs.values()  # a new trial, not a retry
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler), signal.signal(signal.SIGTERM, sigterm)
+    try:
+        begun = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            sweeps.optimize(study, 4, 2, run)  # trials 2 and 3 in parallel, a Ctrl-C once both run
+        assert time.monotonic() - begun < 30 and not STOPPING.is_set()
+        lrs = {t.number: t.params["train.lr"] for t in study.trials}
+        assert [t.state.name for t in study.trials] == ["COMPLETE", "FAIL", "FAIL", "FAIL"]
+        resumed = sweeps.open_study("i", url, "random", "none", {}, seed=2)
+        assert sweeps.recover_interrupted(resumed) == [2, 3]
+        assert sweeps.recover_interrupted(resumed) == []  # queued once
+        with pytest.raises(SystemExit):
+            sweeps.optimize(resumed, 1, 1, run)  # trial 4, the retry of 2, ended by a SIGTERM
+        assert resumed.trials[4].state.name == "FAIL" and resumed.trials[4].params["train.lr"] == lrs[2]
+        assert sweeps.recover_interrupted(resumed) == [4]
+        with pytest.raises(KeyboardInterrupt):
+            sweeps.optimize(resumed, 2, 1, run)  # 5 (the retry of 3) completes; 6 (of 2, again) interrupted
+        assert [resumed.trials[n].state.name for n in (5, 6)] == ["COMPLETE", "FAIL"]
+        assert resumed.trials[5].params["train.lr"] == lrs[3] and resumed.trials[6].params["train.lr"] == lrs[2]
+        assert sweeps.recover_interrupted(resumed) == []  # run again MAX_RETRY times: left failed
+    finally:
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+    assert [r["state"] for r in sweeps.optimize(resumed, 1, 1, run)] == ["complete"]
+    assert resumed.trials[7].params["train.lr"] not in lrs.values()  # a new trial
 
 
 def test_optimize_runs_trials_as_tasks_of_the_flow_run_and_tells_every_outcome(prefect_server, tmp_path):
