@@ -278,30 +278,29 @@ def pretrain_command(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     return 0
 
 
-def sweep_command(args: argparse.Namespace, config: PipelineConfig) -> int:
+def check_sweep(args: argparse.Namespace, config: PipelineConfig) -> dict | None:
+    """The sweep's own arguments (study name, space file, sampler, counts), checked before any server starts: the
+    space to search (None: the family's built-in one). Raises SpaceError."""
+    from training.paths import PATH_FIELDS, allow_typed
     from training.sweep import STUDY_NAME, STUDY_NAME_RULE, SpaceError, default_space, grid, load_space
 
     if args.study is not None and not re.match(STUDY_NAME, args.study):
-        print(f"zhflow: error: --study {args.study!r}: a study name {STUDY_NAME_RULE}", file=sys.stderr)
-        return 2
-    try:
-        space = load_space(args.space) if args.space else None
-        if args.sampler == "grid":  # every setting needs its values listed: found now, not once the sweep has started
-            try:
-                grid(space or default_space(config))
-            except SpaceError as err:
-                where = args.space or f"the built-in space of {config.model.name} (give one with --space)"
-                raise SpaceError(f"{where}: {err}") from None
-    except SpaceError as err:
-        print(f"zhflow: error: {err}", file=sys.stderr)
-        return 2
-    from training.paths import PATH_FIELDS, allow_typed
-
+        raise SpaceError(f"--study {args.study!r}: a study name {STUDY_NAME_RULE}")
+    if args.trials < 1 or args.parallel < 1:
+        raise SpaceError(f"--trials and --parallel must be at least 1 (got {args.trials}, {args.parallel})")
+    space = load_space(args.space) if args.space else None
+    if args.sampler == "grid":  # every setting needs its values listed: found now, not once the sweep has started
+        try:
+            grid(space or default_space(config))
+        except SpaceError as err:
+            where = args.space or f"the built-in space of {config.model.name} (give one with --space)"
+            raise SpaceError(f"{where}: {err}") from None
     # the space file is the user's own too: the files it names may lie outside the working folder
     allow_typed(*(v for f in PATH_FIELDS for v in ((space or {}).get(f) or {}).get("choices", [])))
-    if args.trials < 1 or args.parallel < 1:
-        print(f"zhflow: error: --trials and --parallel must be at least 1 (got {args.trials}, {args.parallel})", file=sys.stderr)
-        return 2
+    return space
+
+
+def sweep_command(args: argparse.Namespace, config: PipelineConfig, space: dict | None) -> int:
     from flows.sweep import sweep
 
     try:
@@ -476,7 +475,7 @@ def _quiet_env() -> None:
     # the temporary server gets 20 s to start by default: too little on a busy 2-core machine
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    from tasks.tracking import apply_mlflow_defaults
+    from tasks import apply_mlflow_defaults  # not tasks.tracking: MLflow and Prefect take seconds to import
 
     apply_mlflow_defaults()  # MLflow's HTTP retries bounded, pickled models refused
 
@@ -654,31 +653,46 @@ def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     from tasks.recover import OWNER_ENV, owner
 
     os.environ[OWNER_ENV] = owner()  # every process started from here (the temporary Prefect server too) is found again after a kill
-    _server_apart()
     try:
         if getattr(args, "experiment", None) is not None:
             check_experiment(args.experiment)  # the flows would refuse it only after a server has started
     except ConfigError as err:
         parser.exit(2, f"zhflow: error: --{err}\n")
-    if args.command in ("run", "distill", "sweep", "evaluate", "predict", "pretrain"):
+
+    def check_servers() -> None:
         from tasks.servers import ServerUnreachable, check_servers
 
         try:
             check_servers()  # before anything is recorded: one clear error, not minutes of retries
         except ServerUnreachable as err:
             parser.exit(2, f"zhflow: error: {err}\n")
-    if args.command == "evaluate":
-        return evaluate_command(args)
-    if args.command == "predict":
-        return predict_command(args)
-    if args.command == "pretrain":
-        return pretrain_command(parser, args)
+        _server_apart()
+
+    if args.command in ("evaluate", "predict", "pretrain"):
+        check_servers()
+        return {"evaluate": evaluate_command, "predict": predict_command,
+                "pretrain": lambda args: pretrain_command(parser, args)}[args.command](args)
     try:
+        # the settings and the user's files first: a typo is answered in a second, before MLflow and Prefect load
         config = build_config(args)
         from training.paths import allow_typed, check_files, config_paths
 
         allow_typed(*config_paths(config))  # the user's own files: only paths from flow parameters are confined
         check_files(config)  # a missing user dictionary, stop-word, synonym or unlabelled file: one line, nothing recorded
+    except ConfigError as err:
+        parser.exit(2, f"zhflow: error: {err}\n")
+    if args.command != "preprocess":
+        from training.data.prepare import check_dataset
+        from training.data.readers import DatasetError
+        from training.sweep import SpaceError
+
+        try:
+            space = check_sweep(args, config) if args.command == "sweep" else None
+            check_dataset(config.data, config.preprocess)  # a wrong path or column: before a server starts or a run is recorded
+        except (DatasetError, SpaceError) as err:
+            parser.exit(2, f"zhflow: error: {err}\n")
+        check_servers()
+    try:
         from training.models import check_model
 
         check_model(config.model)  # a checkpoint that cannot be loaded: one line now, no run recorded, no server started
@@ -697,15 +711,8 @@ def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         parser.exit(2, f"zhflow: error: {err}\n")
     if args.command == "preprocess":
         return preprocess_command(config, args.out)
-    from training.data.prepare import check_dataset
-    from training.data.readers import DatasetError
-
-    try:
-        check_dataset(config.data, config.preprocess)  # a wrong path or column fails here, before a server starts or a run is recorded
-    except DatasetError as err:
-        parser.exit(2, f"zhflow: error: {err}\n")
     if args.command == "sweep":
-        return sweep_command(args, config)
+        return sweep_command(args, config, space)
     from flows.pipeline import train_pipeline  # after validation: bad flags fail fast, before Prefect loads
 
     try:

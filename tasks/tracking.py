@@ -32,18 +32,9 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.runtime import flow_run
 
 import training
+from tasks import MLFLOW_DEFAULTS, apply_mlflow_defaults  # noqa: F401  (MLFLOW_DEFAULTS: documented above)
 from tasks.recover import OWNER_TAG, owner, recover
 from training.config import PipelineConfig, flatten
-
-MLFLOW_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
-                   "MLFLOW_ALLOW_PICKLE_DESERIALIZATION": "false"}
-
-
-def apply_mlflow_defaults() -> None:
-    """zhflow's MLflow settings (above), where the environment does not set them."""
-    for key, value in MLFLOW_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-
 
 apply_mlflow_defaults()
 

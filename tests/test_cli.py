@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import sentiment_rows, write_csv
+
 ZHFLOW = str(Path(sys.executable).with_name("zhflow"))
 
 
@@ -98,15 +100,31 @@ print("prefect imported with", seen)
 """
 
 
-@pytest.mark.parametrize("args", [["run", "--dataset", "missing.csv"], ["pretrain", "--corpus", "missing.txt"],
-                                  ["sweep", "--dataset", "missing.csv"]])
+@pytest.mark.parametrize("args", [["run", "--dataset", "r.csv"], ["pretrain", "--corpus", "missing.txt"],
+                                  ["sweep", "--dataset", "r.csv"]])
 def test_the_temporary_prefect_server_gets_its_start_time_before_prefect_reads_its_settings(args, tmp_path):
     # Prefect reads its settings once, at its first import: a variable set after it is never seen (the temporary
-    # server then gets 20 s to start, which a busy 2-core machine misses)
+    # server then gets 20 s to start, which a busy 2-core machine misses). Valid settings reach the server check,
+    # which imports Prefect; an MLflow server that does not answer ends the command there.
+    write_csv(tmp_path / "r.csv", sentiment_rows(10))
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("PREFECT_SERVER_EPHEMERAL")}
     done = subprocess.run([sys.executable, "-c", PREFECT_IMPORT_PROBE, *args], cwd=tmp_path, capture_output=True, text=True,
-                          env=env | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}, timeout=120)
+                          env=env | {"PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+                                     "MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}, timeout=120)
     assert "prefect imported with ['120']" in done.stdout, done.stdout + done.stderr
+    assert "MLflow tracking server" in done.stderr and "127.0.0.1:9" in done.stderr, done.stderr
+
+
+def test_a_typo_in_a_setting_is_answered_before_mlflow_and_prefect_load(tmp_path):
+    """Settings, the user's files and the dataset are checked before the seconds MLflow and Prefect take to import."""
+    probe = ("import sys\nfrom deployments.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+             "print(sorted(m for m in ('mlflow', 'prefect', 'torch') if m in sys.modules))")
+    for args in (["run", "--preset", "tiny", "--set", "train.lrr=1"], ["run", "--dataset", "missing.csv"],
+                 ["sweep", "--preset", "tiny", "--study", "a/b"]):
+        done = subprocess.run([sys.executable, "-c", probe, *args], cwd=tmp_path, capture_output=True, text=True,
+                              env=__import__("os").environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                              timeout=120)
+        assert "zhflow: error:" in done.stderr and done.stdout.strip().endswith("[]"), (args, done.stdout, done.stderr)
 
 
 @pytest.mark.parametrize("command", ["run", "distill"])

@@ -429,6 +429,7 @@ def test_a_sweep_that_could_not_run_is_refused_before_any_work(tmp_path, capsys,
     (tmp_path / "space.yaml").write_text("train.lr: {low: 0.001, high: 0.01}\n", encoding="utf-8")
     (tmp_path / "empty.yaml").write_text("# nothing searched yet\n", encoding="utf-8")
     args = [{"SPACE": "space.yaml", "EMPTY": "empty.yaml"}.get(a, a) for a in args]
-    assert zhflow(["sweep", "--preset", "tiny", "--trials", "1"] + args) == 2
-    assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:
+        zhflow(["sweep", "--preset", "tiny", "--trials", "1"] + args)
+    assert refused.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "mlflow.db").exists()  # nothing recorded, no server started
