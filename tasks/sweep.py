@@ -124,8 +124,9 @@ def recover_interrupted(study: optuna.Study) -> list[int]:
 
 
 def _fail_running(study: optuna.Study, numbers: set[int]) -> None:
-    """Trials of ``numbers`` still RUNNING told FAIL: Optuna fails a trial on a Ctrl-C (KeyboardInterrupt) but leaves
-    it RUNNING on a SystemExit (zhflow's answer to SIGTERM), where only the heartbeat's grace period would end it."""
+    """Trials of ``numbers`` still RUNNING told FAIL. Optuna fails a trial its KeyboardInterrupt (or an interrupted
+    launcher's) ends, but leaves one RUNNING on an exception it does not catch (a SystemExit), and only the heartbeat's
+    grace period would end it then."""
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         if t.number in numbers:
             try:
