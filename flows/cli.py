@@ -659,7 +659,7 @@ def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     except ConfigError as err:
         parser.exit(2, f"zhflow: error: --{err}\n")
 
-    def check_servers() -> None:
+    def reach_servers() -> None:
         from tasks.servers import ServerUnreachable, check_servers
 
         try:
@@ -669,7 +669,7 @@ def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         _server_apart()
 
     if args.command in ("evaluate", "predict", "pretrain"):
-        check_servers()
+        reach_servers()
         return {"evaluate": evaluate_command, "predict": predict_command,
                 "pretrain": lambda args: pretrain_command(parser, args)}[args.command](args)
     try:
@@ -691,7 +691,7 @@ def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
             check_dataset(config.data, config.preprocess)  # a wrong path or column: before a server starts or a run is recorded
         except (DatasetError, SpaceError) as err:
             parser.exit(2, f"zhflow: error: {err}\n")
-        check_servers()
+        reach_servers()
     try:
         from training.models import check_model
 
