@@ -202,10 +202,10 @@ def launch_training(job: WorkerJob | PretrainJob, on_epoch: Callable[[int, dict]
                         _stop(proc)  # the next pass still reads what it wrote before it ended
                 elif kind == "result":
                     result = event
+            if STOPPING.is_set():  # before the exit is read: a signal to the whole group may have ended torchrun too
+                raise KeyboardInterrupt(f"{job.stage}: interrupted")
             if not running:
                 break
-            if STOPPING.is_set():
-                raise KeyboardInterrupt(f"{job.stage}: interrupted")
             time.sleep(POLL_SECONDS)
         if stopped_at is not None:
             _log_unsent(job.mlflow_run_id, history)

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import contextvars
+import fcntl
 import hashlib
 import json
+import threading
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import mlflow
+from mlflow.exceptions import MlflowException
 import pandas as pd
 from mlflow.data.dataset_source_registry import resolve_dataset_source
 from prefect import get_run_logger, task
@@ -68,7 +73,31 @@ def _cache_key(ctx, params: dict) -> str:
 
 class OwnedLockManager(FileSystemLockManager):
     """Prefect's lock files, each marked with the process that holds it (``tasks.recover.owner``): a lock whose
-    process is gone (killed while it prepared the folder) is removed instead of waited for, for ever."""
+    process is gone (killed while it prepared the folder) is removed instead of waited for, for ever. Marking and
+    removing happen under a guard (a thread lock and an flock on the folder's ``.guard``), so that two waiters never
+    both break the same dead lock, nor a releaser remove a mark its successor just wrote."""
+
+    _threads = threading.RLock()
+    _depth = 0  # the guard is re-entered (Prefect's release_lock calls is_locked): one flock, taken once
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        with self._threads:
+            if OwnedLockManager._depth:
+                OwnedLockManager._depth += 1
+                try:
+                    yield
+                finally:
+                    OwnedLockManager._depth -= 1
+                return
+            self._ensure_lock_files_directory_exists()
+            with open(self.lock_files_directory / ".guard", "a") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes, or its process dies
+                OwnedLockManager._depth = 1
+                try:
+                    yield
+                finally:
+                    OwnedLockManager._depth = 0
 
     def _mark(self, key: str) -> Path:
         return self._lock_path_for_key(key).with_suffix(".owner")
@@ -77,26 +106,30 @@ class OwnedLockManager(FileSystemLockManager):
                      hold_timeout: float | None = None) -> bool:
         acquired = super().acquire_lock(key, holder, acquire_timeout, hold_timeout)
         if acquired:
-            self._mark(key).write_text(owner())
+            with self._guard():
+                self._mark(key).write_text(owner())
         return acquired
 
     def release_lock(self, key: str, holder: str) -> None:
-        super().release_lock(key, holder)
-        self._mark(key).unlink(missing_ok=True)
+        with self._guard():
+            if self.is_lock_holder(key, holder):
+                self._mark(key).unlink(missing_ok=True)
+            super().release_lock(key, holder)
 
     def is_locked(self, key: str, use_cache: bool = False) -> bool:
         if not super().is_locked(key, use_cache):
             return False
-        try:
-            mark = self._mark(key).read_text()
-        except OSError:  # not marked yet (being taken now), or by an older zhflow: held
-            return True
-        if not owner_gone(mark):
-            return True
-        self._lock_path_for_key(key).unlink(missing_ok=True)
-        self._mark(key).unlink(missing_ok=True)
-        self._locks.pop(key, None)
-        return False
+        with self._guard():
+            try:
+                mark = self._mark(key).read_text()
+            except OSError:  # not marked yet (being taken now), or by an older zhflow: held
+                return True
+            if not owner_gone(mark):
+                return True
+            self._lock_path_for_key(key).unlink(missing_ok=True)
+            self._mark(key).unlink(missing_ok=True)
+            self._locks.pop(key, None)
+            return False
 
 
 def _cache_policy() -> CacheKeyFnPolicy:
@@ -118,6 +151,22 @@ def _own_transaction(call):
         return call()
 
     return contextvars.copy_context().run(detached)
+
+
+_DATASETS = threading.Lock()
+
+
+def _log_input(dataset, context: str) -> None:
+    """``mlflow.log_input``, one at a time in this process and tried again once on a collision: MLflow's SQL store
+    looks a dataset up, then inserts it, so that two parallel trials logging the same split at once failed one of
+    them on the table's unique constraint."""
+    with _DATASETS:
+        try:
+            mlflow.log_input(dataset, context=context)
+        except MlflowException as err:  # another process inserted it between MLflow's look-up and its insert
+            if "unique constraint" not in str(err).lower():
+                raise
+            mlflow.log_input(dataset, context=context)
 
 
 @task(name="prepare-data", persist_result=True)
@@ -163,7 +212,7 @@ def preprocess(data: DataConfig, pre: PreprocessConfig, augment: AugmentConfig, 
             dataset = mlflow.data.from_pandas(frame, source=source, targets="label",
                                               name=f"{Path(manifest['dataset']['name']).name}-{split}",
                                               digest=manifest["splits"][split]["digest"][:16])
-            mlflow.log_input(dataset, context=context)
+            _log_input(dataset, context)
         markdown = manifest_markdown(manifest)
         mlflow.log_text(markdown, "manifest.md")
         create_markdown_artifact(markdown, key="prepared-dataset", description="Counts, splits and vocabulary")

@@ -66,7 +66,8 @@ def make_pruner(name: str) -> optuna.pruners.BasePruner:
 
 HEARTBEAT_S, GRACE_S = 20, 90  # a running trial beats every 20 s; one silent for 90 s was lost with its process
 MAX_RETRY = 2  # times a trial that did not finish is run again
-FAILURE_ATTR = "failure"  # a trial that failed of itself (settings refused, worker failed) says why; an interrupted one does not
+FAILURE_ATTR = "failure"  # a trial that failed of itself (settings refused, worker failed) says why
+INTERRUPTED_ATTR = "interrupted"  # a trial an interrupt ended (Ctrl-C, SIGTERM): run again when the study resumes
 
 
 def _retry() -> optuna.storages.RetryHeartbeatStaleTrialCallback:
@@ -104,7 +105,7 @@ def open_study(name: str, storage: str, sampler: str, pruner: str, space: dict, 
 def recover_interrupted(study: optuna.Study) -> list[int]:
     """Trials an earlier sweep of the study did not finish, queued again with their settings (each at most MAX_RETRY
     times) so that they run first: those whose process died (their heartbeat stopped: failed here) and those an
-    interrupt ended (a Ctrl-C or a SIGTERM: failed without a failure of their own). The numbers of those queued."""
+    interrupt ended (a Ctrl-C or a SIGTERM: marked ``interrupted`` by ``optimize``). The numbers of those queued."""
     fail = optuna.trial.TrialState.FAIL
     before = {t.number for t in study.get_trials(deepcopy=False, states=(fail,))}
     with warnings.catch_warnings():  # Optuna marks fail_stale_trials and the retry history experimental
@@ -114,8 +115,9 @@ def recover_interrupted(study: optuna.Study) -> list[int]:
         stale = {t.number for t in trials if t.state == fail} - before
         retried = {n for t in trials for n in optuna.storages.RetryHeartbeatStaleTrialCallback.retry_history(t)}
         retry, queued = _retry(), []
-        for t in trials:
-            if t.state == fail and t.number not in stale | retried and FAILURE_ATTR not in t.user_attrs:
+        for t in trials:  # a retry carries its original's attributes: one that then failed of itself is left
+            if (t.state == fail and t.number not in stale | retried and t.user_attrs.get(INTERRUPTED_ATTR)
+                    and FAILURE_ATTR not in t.user_attrs):
                 count = len(study.get_trials(deepcopy=False))
                 retry(study, t)
                 if len(study.get_trials(deepcopy=False)) > count:  # not when it was run again MAX_RETRY times already
@@ -124,15 +126,16 @@ def recover_interrupted(study: optuna.Study) -> list[int]:
 
 
 def _fail_running(study: optuna.Study, numbers: set[int]) -> None:
-    """Trials of ``numbers`` still RUNNING told FAIL. Optuna fails a trial its KeyboardInterrupt (or an interrupted
-    launcher's) ends, but leaves one RUNNING on an exception it does not catch (a SystemExit), and only the heartbeat's
-    grace period would end it then."""
-    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        if t.number in numbers:
-            try:
+    """Trials of ``numbers`` still RUNNING told FAIL, marked interrupted. Optuna fails a trial a KeyboardInterrupt
+    ends, but leaves one RUNNING on an exception it does not catch (a SIGTERM's), and only the heartbeat's grace
+    period would end it then."""
+    try:
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            if t.number in numbers:
+                study._storage.set_trial_user_attr(t._trial_id, INTERRUPTED_ATTR, True)
                 study.tell(t.number, state=optuna.trial.TrialState.FAIL)
-            except Exception:  # noqa: BLE001 - the storage itself gone: the heartbeat ends it later
-                pass
+    except Exception:  # noqa: BLE001 - the storage itself gone: the heartbeat ends them later; the interrupt goes on
+        pass
 
 
 def free_stale_slots(study: optuna.Study, limit: str, parallel: int) -> int:
@@ -198,7 +201,10 @@ class TrialFailed(RuntimeError):
 def optimize(study: optuna.Study, trials: int, parallel: int, run: Callable[[optuna.Trial], dict]) -> list[dict]:
     """``study.optimize``: Optuna asks, keeps each trial's heartbeat, tells (pruned and failed trials included) and
     stops a used-up grid. ``run(trial)`` is the trial's Prefect task, called in the flow run's context (Optuna's
-    threads start without it, so each call gets a copy). The trials' summaries, in trial order."""
+    threads start without it, so each call gets a copy). The trials' summaries, in trial order.
+
+    Interrupted (a Ctrl-C, a SIGTERM), the trials running end FAIL and marked ``interrupted``: a resumed sweep runs
+    them again first (``recover_interrupted``)."""
     context = contextvars.copy_context()
     results: list[dict] = []
     started: set[int] = set()
@@ -207,7 +213,16 @@ def optimize(study: optuna.Study, trials: int, parallel: int, run: Callable[[opt
     def objective(trial: optuna.Trial) -> float:
         with lock:
             started.add(trial.number)
-        result = context.copy().run(run, trial)
+        if STOPPING.is_set():  # asked after the interrupt: not started (nothing to run again)
+            raise KeyboardInterrupt("the sweep was interrupted")
+        try:
+            result = context.copy().run(run, trial)
+            if result["state"] == "failed" and STOPPING.is_set():  # its launcher or a server ended by the interrupt
+                raise KeyboardInterrupt(result["reason"])
+        except BaseException as err:
+            if not isinstance(err, Exception):  # KeyboardInterrupt, SystemExit, Prefect's TerminationSignal
+                trial.set_user_attr(INTERRUPTED_ATTR, True)
+            raise
         with lock:
             results.append(result)
         if result["state"] == "pruned":
@@ -217,32 +232,49 @@ def optimize(study: optuna.Study, trials: int, parallel: int, run: Callable[[opt
             raise TrialFailed(result["reason"])
         return result["value"]
 
-    # Optuna asks in a thread of its own: a Ctrl-C or a SIGTERM reaches the main thread only, which would otherwise
-    # wait in Optuna's thread pool for the trials running in parallel to end (an hour each, say) before it stopped
+    def search() -> None:
+        study.optimize(objective, n_trials=trials, n_jobs=parallel, catch=(TrialFailed,))
+
+    STOPPING.clear()
+    try:
+        if parallel == 1:  # the trial runs in this thread: an interrupt reaches it wherever it is
+            search()
+        else:
+            _search_apart(search)
+    except BaseException:
+        _fail_running(study, started)
+        raise
+    finally:
+        STOPPING.clear()
+    return sorted(results, key=lambda r: r["number"])
+
+
+def _search_apart(search: Callable[[], None]) -> None:
+    """``search()`` in a thread of its own. A Ctrl-C or a SIGTERM reaches the main thread only, which would otherwise
+    wait in Optuna's thread pool for the trials running in parallel to end (an hour each, say): here it sets
+    ``STOPPING``, every running launcher ends its workers and raises, and the interrupt goes on once they have."""
     failed: list[BaseException] = []
     done = threading.Event()  # not Thread.join: on Python 3.11 a join the signal interrupts marks the thread ended
 
-    def search() -> None:
+    def apart() -> None:
         try:
-            study.optimize(objective, n_trials=trials, n_jobs=parallel, catch=(TrialFailed,))
+            search()
         except BaseException as err:  # noqa: BLE001 - raised again in the caller's thread
             failed.append(err)
         finally:
             done.set()
 
-    threading.Thread(target=search, name="sweep-trials", daemon=True).start()
     try:
+        threading.Thread(target=apart, name="sweep-trials", daemon=True).start()
         while not done.wait(0.5):
             pass
-    except BaseException:  # interrupted: every running trial's workers end now and the trials FAIL, to be run again
-        STOPPING.set()  # first when the study is resumed (recover_interrupted)
-        done.wait()
-        _fail_running(study, started)
-        STOPPING.clear()
+    except BaseException:
+        STOPPING.set()
+        while not done.wait(0.5):  # a second Ctrl-C while the trials stop: they stop all the same
+            STOPPING.set()
         raise
     if failed:
         raise failed[0]
-    return sorted(results, key=lambda r: r["number"])
 
 
 @task(name="trial", task_run_name="trial-{trial.number}", cache_policy=NO_CACHE)

@@ -192,11 +192,20 @@ def test_data_prepared_inside_a_task_is_committed_at_once_and_a_killed_holders_l
     def sweep_like(cfg):
         return trial(cfg, open_pipeline_run(cfg, "locks"))
 
+    @flow
+    def parallel_trials(cfg):
+        parent = open_pipeline_run(cfg, "locks")
+        return [future.result() for future in [trial.submit(cfg, parent), trial.submit(cfg, parent)]]
+
     cfg = apply_overrides(tiny(), [f"data.dataset={small_csv}", "data.max_samples=null"])
     first, held = sweep_like(cfg)
     assert first["cached"] is False and held == []  # released while the trial still ran
     second, _ = sweep_like(cfg)
     assert second["cached"] is True  # the record was written then too
+    # two trials at once on data not prepared yet: one prepares it, the other waits and reads it; both log the splits
+    both = parallel_trials(apply_overrides(cfg, ["data.seed=5"]))
+    assert sorted(prepared["cached"] for prepared, _ in both) == [False, True]
+    assert both[0][0]["path"] == both[1][0]["path"] != first["path"]
 
     manager = OwnedLockManager(lock_files_directory=locks)
     assert manager.acquire_lock("k", holder="a live trial") and manager.is_locked("k")
