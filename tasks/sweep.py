@@ -268,11 +268,15 @@ def _search_apart(search: Callable[[], None]) -> None:
         threading.Thread(target=apart, name="sweep-trials", daemon=True).start()
         while not done.wait(0.5):
             pass
-    except BaseException:
+    except BaseException as interrupt:
         STOPPING.set()
-        while not done.wait(0.5):  # a second Ctrl-C while the trials stop: they stop all the same
-            STOPPING.set()
-        raise
+        while True:
+            try:
+                if done.wait(0.5):
+                    break
+            except BaseException:  # noqa: BLE001 - a second Ctrl-C while the trials stop: they stop all the same
+                continue
+        raise interrupt
     if failed:
         raise failed[0]
 
