@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Iterator
 
 import mlflow
-from mlflow.exceptions import MlflowException
 import pandas as pd
 from mlflow.data.dataset_source_registry import resolve_dataset_source
+from mlflow.exceptions import MlflowException
 from prefect import get_run_logger, task
 from prefect.cache_policies import CacheKeyFnPolicy
 from prefect.locking.filesystem import FileSystemLockManager
@@ -77,27 +77,14 @@ class OwnedLockManager(FileSystemLockManager):
     removing happen under a guard (a thread lock and an flock on the folder's ``.guard``), so that two waiters never
     both break the same dead lock, nor a releaser remove a mark its successor just wrote."""
 
-    _threads = threading.RLock()
-    _depth = 0  # the guard is re-entered (Prefect's release_lock calls is_locked): one flock, taken once
+    _threads = threading.Lock()
 
     @contextmanager
     def _guard(self) -> Iterator[None]:
-        with self._threads:
-            if OwnedLockManager._depth:
-                OwnedLockManager._depth += 1
-                try:
-                    yield
-                finally:
-                    OwnedLockManager._depth -= 1
-                return
-            self._ensure_lock_files_directory_exists()
-            with open(self.lock_files_directory / ".guard", "a") as handle:
-                fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes, or its process dies
-                OwnedLockManager._depth = 1
-                try:
-                    yield
-                finally:
-                    OwnedLockManager._depth = 0
+        self._ensure_lock_files_directory_exists()
+        with self._threads, open(self.lock_files_directory / ".guard", "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes, or its process dies
+            yield
 
     def _mark(self, key: str) -> Path:
         return self._lock_path_for_key(key).with_suffix(".owner")
@@ -111,10 +98,11 @@ class OwnedLockManager(FileSystemLockManager):
         return acquired
 
     def release_lock(self, key: str, holder: str) -> None:
-        with self._guard():
-            if self.is_lock_holder(key, holder):
+        with self._guard():  # the mark first: a lock found unmarked is held, never broken
+            info = self._get_lock_info(key, use_cache=False)  # not is_lock_holder: it calls is_locked, which guards
+            if info is not None and info["holder"] == holder:
                 self._mark(key).unlink(missing_ok=True)
-            super().release_lock(key, holder)
+        super().release_lock(key, holder)
 
     def is_locked(self, key: str, use_cache: bool = False) -> bool:
         if not super().is_locked(key, use_cache):

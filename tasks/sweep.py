@@ -114,15 +114,15 @@ def recover_interrupted(study: optuna.Study) -> list[int]:
         trials = study.get_trials(deepcopy=False)
         stale = {t.number for t in trials if t.state == fail} - before
         retried = {n for t in trials for n in optuna.storages.RetryHeartbeatStaleTrialCallback.retry_history(t)}
-        retry, queued = _retry(), []
-        for t in trials:  # a retry carries its original's attributes: one that then failed of itself is left
-            if (t.state == fail and t.number not in stale | retried and t.user_attrs.get(INTERRUPTED_ATTR)
-                    and FAILURE_ATTR not in t.user_attrs):
-                count = len(study.get_trials(deepcopy=False))
-                retry(study, t)
-                if len(study.get_trials(deepcopy=False)) > count:  # not when it was run again MAX_RETRY times already
-                    queued.append(t.number)
-    return sorted(stale | set(queued))
+        # a retry carries its original's attributes: one that then failed of itself is left; so is one run again
+        # MAX_RETRY times already (the callback's own rule)
+        queued = [t for t in trials if t.state == fail and t.number not in stale | retried
+                  and t.user_attrs.get(INTERRUPTED_ATTR) and FAILURE_ATTR not in t.user_attrs
+                  and len(optuna.storages.RetryHeartbeatStaleTrialCallback.retry_history(t)) < MAX_RETRY]
+        retry = _retry()
+        for t in queued:
+            retry(study, t)
+    return sorted(stale | {t.number for t in queued})
 
 
 def _fail_running(study: optuna.Study, numbers: set[int]) -> None:
@@ -211,10 +211,10 @@ def optimize(study: optuna.Study, trials: int, parallel: int, run: Callable[[opt
     lock = threading.Lock()
 
     def objective(trial: optuna.Trial) -> float:
-        with lock:
-            started.add(trial.number)
         if STOPPING.is_set():  # asked after the interrupt: not started (nothing to run again)
             raise KeyboardInterrupt("the sweep was interrupted")
+        with lock:
+            started.add(trial.number)
         try:
             result = context.copy().run(run, trial)
             if result["state"] == "failed" and STOPPING.is_set():  # its launcher or a server ended by the interrupt
