@@ -237,7 +237,7 @@ def build_pretrain_config(args: argparse.Namespace):
     return config
 
 
-def pretrain_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def pretrain_command(parser: argparse.ArgumentParser, args: argparse.Namespace, reach_servers) -> int:
     from training.corpus import CorpusError
     from training.paths import allow_typed
 
@@ -250,6 +250,7 @@ def pretrain_command(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         check_pretrain(config)  # a missing file or checkpoint: one line now, no run recorded, no server started
     except (ConfigError, CorpusError) as err:
         parser.exit(2, f"zhflow: error: {err}\n")
+    reach_servers()
     from flows.pretrain import pretrain
 
     try:
@@ -668,10 +669,11 @@ def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
             parser.exit(2, f"zhflow: error: {err}\n")
         _server_apart()
 
-    if args.command in ("evaluate", "predict", "pretrain"):
+    if args.command == "pretrain":
+        return pretrain_command(parser, args, reach_servers)
+    if args.command in ("evaluate", "predict"):
         reach_servers()
-        return {"evaluate": evaluate_command, "predict": predict_command,
-                "pretrain": lambda args: pretrain_command(parser, args)}[args.command](args)
+        return {"evaluate": evaluate_command, "predict": predict_command}[args.command](args)
     try:
         # the settings and the user's files first: a typo is answered in a second, before MLflow and Prefect load
         config = build_config(args)
@@ -691,11 +693,11 @@ def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
             check_dataset(config.data, config.preprocess)  # a wrong path or column: before a server starts or a run is recorded
         except (DatasetError, SpaceError) as err:
             parser.exit(2, f"zhflow: error: {err}\n")
-        reach_servers()
     try:
         from training.models import check_model
 
-        check_model(config.model)  # a checkpoint that cannot be loaded: one line now, no run recorded, no server started
+        # a checkpoint that cannot be loaded, a hub id offline: one line now, no run recorded, no server started
+        check_model(config.model)
         from training.evaluate import check_precision
 
         check_precision(config)
@@ -703,6 +705,11 @@ def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
             from training.models import check_student
 
             check_student(config.distill.student, config.model)
+    except ConfigError as err:  # DistillError too
+        parser.exit(2, f"zhflow: error: {err}\n")
+    if args.command != "preprocess":
+        reach_servers()
+    try:
         if config.distill.enabled and any(t.startswith(MODEL_URI_PREFIXES) for t in config.distill.teacher):
             from tasks.distill import check_teachers
 

@@ -100,13 +100,14 @@ print("prefect imported with", seen)
 """
 
 
-@pytest.mark.parametrize("args", [["run", "--dataset", "r.csv"], ["pretrain", "--corpus", "missing.txt"],
+@pytest.mark.parametrize("args", [["run", "--dataset", "r.csv"], ["pretrain", "--corpus", "c.txt"],
                                   ["sweep", "--dataset", "r.csv"]])
 def test_the_temporary_prefect_server_gets_its_start_time_before_prefect_reads_its_settings(args, tmp_path):
     # Prefect reads its settings once, at its first import: a variable set after it is never seen (the temporary
     # server then gets 20 s to start, which a busy 2-core machine misses). Valid settings reach the server check,
     # which imports Prefect; an MLflow server that does not answer ends the command there.
     write_csv(tmp_path / "r.csv", sentiment_rows(10))
+    (tmp_path / "c.txt").write_text("".join(f"{text}\n" for text, _ in sentiment_rows(10)), encoding="utf-8")
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("PREFECT_SERVER_EPHEMERAL")}
     done = subprocess.run([sys.executable, "-c", PREFECT_IMPORT_PROBE, *args], cwd=tmp_path, capture_output=True, text=True,
                           env=env | {"PYTHONPATH": str(Path(__file__).resolve().parents[1]),

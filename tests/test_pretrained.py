@@ -100,9 +100,11 @@ def _zhflow(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 
 @pytest.mark.parametrize("network", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}],
                          ids=["offline", "hub-unreachable"])
 def test_a_hub_id_that_cannot_be_fetched_is_one_clear_line_and_nothing_is_recorded(tmp_path, network):
+    """Answered before the servers are asked (an unreachable tracking server would otherwise be the error) and before
+    anything is recorded."""
     started = time.monotonic()
     out = _zhflow(["run", "--preset", "tiny", "--pretrained", "hfl/not-a-cached-model"], tmp_path,
-                  env={**network, "HF_HOME": str(tmp_path / "hf"), "MLFLOW_TRACKING_URI": ""})
+                  env={**network, "HF_HOME": str(tmp_path / "hf"), "MLFLOW_TRACKING_URI": "http://127.0.0.1:9"})
     assert out.returncode == 2, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("zhflow: error: model.pretrained: 'hfl/not-a-cached-model'"), out.stderr
@@ -111,6 +113,28 @@ def test_a_hub_id_that_cannot_be_fetched_is_one_clear_line_and_nothing_is_record
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "home").exists()  # no run, no prepared data
     missing = _zhflow(["run", "--preset", "tiny", "--pretrained", str(tmp_path / "nope")], tmp_path)
     assert missing.returncode == 2 and "no such folder" in missing.stderr
+
+
+def test_a_hub_id_in_the_cache_passes_the_check_offline(tmp_path, monkeypatch):
+    """The check reads the Hugging Face cache as huggingface_hub lays it out: a model downloaded before (or a cache
+    copied from a connected machine) is accepted with HF_HUB_OFFLINE set; an invalid id is one clear error."""
+    from training.models.hub import PretrainedError, check_source
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(PretrainedError, match="'org/model' is not a local folder and not in the Hugging Face cache"):
+        check_source("org/model")
+    repo = tmp_path / "hub" / "models--org--model"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    (repo / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    (repo / "snapshots" / ("0" * 40) / "config.json").write_text("{}")
+    check_source("org/model")
+    with pytest.raises(PretrainedError, match="model.pretrained: 'a b/c d'"):
+        check_source("a b/c d")
 
 
 def test_a_folder_that_is_not_a_whole_checkpoint_is_refused_naming_what_it_lacks(tiny_bert, tmp_path):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -27,13 +26,11 @@ from torch import nn
 
 from training.config import ConfigError, ModelConfig
 from training.models.base import Family, TextEncoder, _keep, _top
+from training.models.hub import PretrainedError, hub_reachable, not_a_checkpoint, offline, unavailable
+from training.models.hub import check_source as check_hub_source
 
 TOKENIZER_DIR = "tokenizer"  # in the prepared folder: the tokenizer the ids were made with
 ROBERTA_LIKE = ("roberta", "xlm-roberta", "camembert")  # positions start after the pad id
-
-
-class PretrainedError(ConfigError):
-    """``model.pretrained`` cannot be loaded; the message says how to make it available."""
 
 
 @contextmanager
@@ -56,32 +53,6 @@ def _quiet() -> Iterator[None]:
         hub.setLevel(hub_level)
 
 
-def _unavailable(source: str, err: Exception) -> PretrainedError:
-    home = os.environ.get("HF_HOME", "~/.cache/huggingface")
-    reason = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-    offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") else ""
-    return PretrainedError(
-        f"model.pretrained: {source!r} is not a local folder and not in the Hugging Face cache ({home}), and it could "
-        f"not be downloaded{offline}: {reason.rstrip('.')}. Make it available: give a local folder in the save_pretrained layout "
-        f"(config.json, weights, tokenizer files), point HF_HOME at a cache that holds it, or download it on a "
-        f"connected machine (`hf download {source}`) and copy the folder or the cache here")
-
-
-def _hub_reachable(timeout: float = 3.0) -> str | None:
-    """None if the hub answers a TCP connection within ``timeout`` seconds, else why not (a machine without internet
-    would otherwise wait through huggingface_hub's retries)."""
-    import socket
-    from urllib.parse import urlsplit
-
-    endpoint = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
-    try:
-        socket.create_connection((endpoint.hostname, port), timeout=timeout).close()
-        return None
-    except OSError as err:
-        return f"{endpoint.hostname}:{port} cannot be reached ({err})"
-
-
 def activation_checkpointing(model) -> None:
     """Recompute each layer's activations in the backward pass (``train.gradient_checkpointing``), non-reentrant: it
     works under DDP and with inputs that need no gradient. transformers 5.x names it activation checkpointing (the
@@ -91,22 +62,6 @@ def activation_checkpointing(model) -> None:
         enable({"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-# a tokenizer's vocabulary as save_pretrained writes it (without one, AutoTokenizer builds the config's tokenizer class
-# with nothing but its special tokens, and every text becomes [UNK])
-TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model",
-                   "tokenizer.model")
-
-
-# the weights as save_pretrained writes them, in one file or in shards with their index
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-
-
-def _not_a_checkpoint(folder: Path, why: str) -> PretrainedError:
-    return PretrainedError(f"model.pretrained: {str(folder)!r} is a folder but not a checkpoint in the save_pretrained "
-                           f"layout: {why} (a checkpoint folder holds config.json, the weights and the tokenizer's "
-                           f"files, as model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR) write them)")
 
 
 def _load(kind: str, source: str):
@@ -120,15 +75,15 @@ def _load(kind: str, source: str):
         except (OSError, ValueError) as err:
             if Path(source).expanduser().is_dir():
                 reason = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-                raise _not_a_checkpoint(Path(source).expanduser(), reason.rstrip(".")) from None
-            if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
-                raise _unavailable(source, err) from None
-        if (why := _hub_reachable()) is not None:
-            raise _unavailable(source, OSError(why)) from None
+                raise not_a_checkpoint(Path(source).expanduser(), reason.rstrip(".")) from None
+            if offline():
+                raise unavailable(source, err) from None
+        if (why := hub_reachable()) is not None:
+            raise unavailable(source, OSError(why)) from None
         try:
             return cls.from_pretrained(source)
         except (OSError, ValueError) as err:
-            raise _unavailable(source, err) from None
+            raise unavailable(source, err) from None
 
 
 def load_tokenizer(source: str):
@@ -140,21 +95,9 @@ def load_config(source: str):
 
 
 def check_source(source: str | None) -> None:
-    """Fail fast (before any run is opened) when ``model.pretrained`` is missing or cannot be loaded."""
-    if not source:
-        raise PretrainedError("model.pretrained: the pretrained family needs a checkpoint: a local folder in the "
-                              "save_pretrained layout or a hub id (--pretrained X)")
-    folder = Path(source).expanduser()
-    if not folder.is_dir() and (source.startswith((".", "/", "~")) or folder.exists()):
-        raise PretrainedError(f"model.pretrained: {source!r}: no such folder (a local checkpoint is a folder in the "
-                              "save_pretrained layout; anything else is taken as a hub id)")
-    if folder.is_dir():
-        if not (folder / "config.json").is_file():
-            raise _not_a_checkpoint(folder, "it has no config.json")
-        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-            raise _not_a_checkpoint(folder, "it has no tokenizer vocabulary (none of " + ", ".join(TOKENIZER_FILES) + ")")
-        if not any((folder / name).is_file() for name in WEIGHT_FILES):  # found now, not by the worker minutes later
-            raise _not_a_checkpoint(folder, "it has no weights (none of " + ", ".join(WEIGHT_FILES) + ")")
+    """Fail fast (before any run is opened) when ``model.pretrained`` is missing or cannot be loaded: where it comes
+    from (``training.models.hub``, without torch), then its config, loaded."""
+    check_hub_source(source)
     load_config(source)
 
 
