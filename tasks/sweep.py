@@ -58,7 +58,9 @@ def make_sampler(name: str, space: dict, seed: int | None) -> optuna.samplers.Ba
 
 def make_pruner(name: str) -> optuna.pruners.BasePruner:
     if name == "median":  # stop a trial whose epoch is below the median of finished trials at that epoch
-        return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0)
+        # from its second epoch: after one, a slower learning rate still sits at the majority class and would be
+        # judged on the first steps of its warm-up, not on what it learns
+        return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=2)
     if name == "successive_halving":
         return optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2)
     return optuna.pruners.NopPruner()
