@@ -7,6 +7,7 @@ macro-F1 goes to the study's pruner, and a hopeless trial's process group is end
 from __future__ import annotations
 
 import contextvars
+import logging
 import os
 import queue
 import tempfile
@@ -98,8 +99,23 @@ def storage_of(url: str) -> optuna.storages.RDBStorage:
         return _Storage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, heartbeat_stale_trial_callback=_retry())
 
 
+class _NoTracebackForTold(logging.Filter):
+    """Optuna logs every failed trial with its traceback. For a trial an interrupt ended, or one that failed of itself
+    (``TrialFailed``: the reason is in the message, and zhflow's summary says it again), that traceback is one screen
+    of Optuna's and zhflow's own frames per trial; it is kept for anything else, a defect."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        kind = record.exc_info[0] if record.exc_info else None
+        if kind is not None and (issubclass(kind, TrialFailed) or not issubclass(kind, Exception)):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def open_study(name: str, storage: str, sampler: str, pruner: str, space: dict, seed: int | None) -> optuna.Study:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    told = logging.getLogger("optuna.study._optimize")  # the logger of "Trial N failed with parameters ..."
+    if not any(isinstance(f, _NoTracebackForTold) for f in told.filters):
+        told.addFilter(_NoTracebackForTold())
     return optuna.create_study(study_name=name, storage=storage_of(storage), load_if_exists=True, direction="maximize",
                                sampler=make_sampler(sampler, space, seed), pruner=make_pruner(pruner))
 

@@ -433,3 +433,25 @@ def test_a_sweep_that_could_not_run_is_refused_before_any_work(tmp_path, capsys,
         zhflow(["sweep", "--preset", "tiny", "--trials", "1"] + args)
     assert refused.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "mlflow.db").exists()  # nothing recorded, no server started
+
+
+def test_a_trial_told_failed_or_interrupted_is_one_line_a_defect_keeps_its_traceback(tmp_path, caplog):
+    """Optuna logs every failed trial with its traceback; for a trial whose reason the message already holds (failed
+    of itself, interrupted) that is a screen of frames per trial, for a defect it is what the user needs."""
+    from tasks.sweep import TrialFailed, open_study
+
+    study = open_study("logs", f"sqlite:///{tmp_path}/optuna.db", "random", "none", {}, 0)
+
+    def failing(trial):
+        raise TrialFailed("train.batch_size: must be at least 1")
+
+    study.optimize(failing, n_trials=1, catch=(TrialFailed,))
+    with pytest.raises(KeyboardInterrupt):
+        study.optimize(lambda trial: (_ for _ in ()).throw(KeyboardInterrupt("the sweep was interrupted")), n_trials=1)
+    with pytest.raises(ZeroDivisionError):
+        study.optimize(lambda trial: 1 / 0, n_trials=1)
+    err = caplog.text
+    assert "Trial 0 failed" in err and "train.batch_size: must be at least 1" in err
+    assert "Trial 1 failed" in err and "the sweep was interrupted" in err
+    assert "Trial 2 failed" in err and "ZeroDivisionError" in err
+    assert err.count("Traceback (most recent call last)") == 1, err  # the defect's only
