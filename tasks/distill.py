@@ -19,7 +19,7 @@ import numpy as np
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import CacheKeyFnPolicy
 from sklearn.metrics import accuracy_score, f1_score
 
@@ -75,6 +75,32 @@ def _teacher_cache_key(ctx, params: dict) -> str:
     return "zhflow-teacher-" + hashlib.sha256(f"{params['identity']}|{params['prepared_dir']}".encode()).hexdigest()[:32]
 
 
+class _Labelling:
+    """A served teacher's labelling of the transfer set, shown as it goes: a line in the log every ``every_s`` seconds
+    (texts done, texts/s, time left) and a progress artifact in the Prefect UI. A transformer teacher over a transfer
+    set of augmented copies and word spans (200,000 texts, say) labels for half an hour; silent, it looks hung."""
+
+    def __init__(self, teacher: str, total: int, every_s: float = 30.0):
+        self.teacher, self.total, self.every_s = teacher, max(total, 1), every_s
+        self.done, self.start = 0, time.monotonic()
+        self.shown = self.start
+        self.logger = get_run_logger()
+        self.artifact = create_progress_artifact(progress=0.0, key="teacher-progress",
+                                                 description=f"teacher {teacher}: texts labelled")
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self.shown < self.every_s and self.done < self.total:
+            return
+        self.shown = now
+        rate = self.done / max(now - self.start, 1e-9)
+        left = (self.total - self.done) / rate if rate > 0 else 0.0
+        self.logger.info(f"teacher {self.teacher}: {self.done:,}/{self.total:,} texts labelled "
+                         f"({100 * self.done / self.total:.0f}%), {rate:,.0f} texts/s, about {left / 60:.0f} min left")
+        update_progress_artifact(self.artifact, progress=round(100 * self.done / self.total, 1))
+
+
 @task(name="teacher-probabilities", persist_result=True, cache_policy=CacheKeyFnPolicy(cache_key_fn=_teacher_cache_key))
 def teacher_probabilities(teacher: str, identity: str, prepared_dir: str, out_dir: str, config: PipelineConfig,
                           trained_checkpoint: str | None = None, teacher_dir: str | None = None) -> dict:
@@ -95,9 +121,11 @@ def teacher_probabilities(teacher: str, identity: str, prepared_dir: str, out_di
             # faster, checked on validation texts (m3e-small on an AMD EPYC with AVX-512 bf16: 1.75x the texts/s of fp32)
             info["precision"], measured = serving_precision(classifier, transfer_texts(prepared_dir, "val")["text"].tolist()[:512])
             info |= {k: round(v, 4) for k, v in measured.items()}
+            texts = {split: transfer_texts(prepared_dir, split)["text"].tolist() for split in SPLITS}
+            progress = _Labelling(teacher, sum(map(len, texts.values())))
             for split in SPLITS:
-                probs[split] = pyfunc_teacher(lambda frame: classifier.predict(None, frame), teacher,
-                                              transfer_texts(prepared_dir, split)["text"].tolist(), labels)
+                probs[split] = pyfunc_teacher(lambda frame: classifier.predict(None, frame), teacher, texts[split],
+                                              labels, progress=progress)
     elif teacher == "baseline":
         y = np.load(Path(prepared_dir) / "train.labels.npy")
         probs["train"], info_fit, fitted = baseline_teacher(prepared_dir, y, len(labels), config.distill.teacher_folds,
@@ -107,8 +135,10 @@ def teacher_probabilities(teacher: str, identity: str, prepared_dir: str, out_di
             probs[split] = fitted.predict_proba(transfer_texts(prepared_dir, split)["clean"].tolist()).astype(np.float32)
     else:
         model = mlflow.pyfunc.load_model(teacher)
+        texts = {split: transfer_texts(prepared_dir, split)["text"].tolist() for split in SPLITS}
+        progress = _Labelling(teacher, sum(map(len, texts.values())))
         for split in SPLITS:
-            probs[split] = pyfunc_teacher(model.predict, teacher, transfer_texts(prepared_dir, split)["text"].tolist(), labels)
+            probs[split] = pyfunc_teacher(model.predict, teacher, texts[split], labels, progress=progress)
     paths = {}
     for split, p in probs.items():
         paths[split] = str(out / f"{split}.npy")

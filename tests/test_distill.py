@@ -142,6 +142,7 @@ def test_a_run_distils_a_student_and_zhflow_distill_learns_from_a_registered_mod
         assert f"distill_{key}" in m
     assert m["distill_alone_test_macro_f1"] == m["trained_test_macro_f1"]
     assert "distilled" in run.stdout or "distill" in run.stdout
+    assert "teacher trained: " in run.stdout + run.stderr and "texts labelled (100%)" in run.stdout + run.stderr  # shown as it goes
 
     mlflow.set_tracking_uri(store)
     try:
@@ -168,6 +169,7 @@ def test_a_run_distils_a_student_and_zhflow_distill_learns_from_a_registered_mod
     assert second["model"]["kind"] == "distilled"  # the summary names the registered candidate, not how it is served
     assert "zhflow distill" in again.stdout and "zhflow run" in run.stdout  # each summary titled by its command
     assert second["metrics"]["distill_distilled_test_macro_f1"] > 0.8
+    assert f"teacher {uri}: " in again.stdout + again.stderr and "texts labelled (100%)" in again.stdout + again.stderr
     mlflow.set_tracking_uri(store)
     try:
         client = MlflowClient()

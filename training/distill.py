@@ -148,13 +148,16 @@ def check_teacher_labels(teacher: str, theirs: list[str], ours: list[str]) -> No
 
 
 def pyfunc_teacher(predict: Callable[[pd.DataFrame], pd.DataFrame], teacher: str, texts: list[str], labels: list[str],
-                   batch_size: int = 1024) -> np.ndarray:
-    """A served model's probabilities for ``texts``, its columns put in this data's label order."""
+                   batch_size: int = 1024, progress: Callable[[int], None] | None = None) -> np.ndarray:
+    """A served model's probabilities for ``texts``, its columns put in this data's label order; ``progress(n)`` after
+    each batch of ``n`` texts."""
     out = []
     for start in range(0, len(texts), batch_size):
         frame = predict(pd.DataFrame({"text": texts[start:start + batch_size]}))
         check_teacher_labels(teacher, served_labels(frame.columns), labels)
         out.append(frame[[f"{PROB_PREFIX}{label}" for label in labels]].to_numpy(dtype=np.float64))
+        if progress is not None:
+            progress(len(frame))
     probs = np.concatenate(out) if out else np.zeros((0, len(labels)))
     if not np.isfinite(probs).all() or (probs < 0).any():
         raise DistillError(f"distill.teacher {teacher}: its prob_ columns are not probabilities (negative or not finite)")
