@@ -354,3 +354,29 @@ def test_the_served_model_runs_in_bf16_only_where_it_agrees_with_fp32_and_pays(t
     assert {p.dtype for p in classifier.model.parameters()} == {torch.float32}
     assert serving_precision(classifier, texts, min_speedup=1e9)[0] == "fp32"  # not faster: fp32
     assert serving_precision(classifier, texts, min_agreement=1.01, min_speedup=0.0)[0] == "fp32"  # labels differ: fp32
+
+
+def test_serving_cuts_a_long_text_without_transformers_warning_of_indexing_errors(tiny_bert, tmp_path):
+    """The served encoder cuts texts at the model's limit itself; transformers' warning that the text "will result in
+    indexing errors" would be false, and showed in every predict and teacher's labelling."""
+    import logging
+    import shutil
+
+    from training.models.pretrained import TokenizerEncoder
+
+    folder = shutil.copytree(tiny_bert, tmp_path / "bert")
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings | {"model_max_length": 16}))
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    hf = logging.getLogger("transformers")
+    hf.addHandler(handler)
+    try:
+        encoder = TokenizerEncoder(str(folder), 0, 16)
+        tokens = encoder(["很好" * 400, "差"])["input_ids"]
+    finally:
+        hf.removeHandler(handler)
+    assert tokens.shape == (2, 16)
+    assert not [r for r in records if "indexing errors" in r.getMessage()], [r.getMessage() for r in records]

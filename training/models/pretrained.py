@@ -293,6 +293,9 @@ class TokenizerEncoder(TextEncoder):
 
     def __init__(self, folder: str, pad_id: int, limit: int):
         self.tokenizer = load_tokenizer(folder)
+        # cut here, counted in preprocessing: transformers' warning that a text is longer than the model (and "will
+        # result in indexing errors") would be wrong, once per served model, in every predict and teacher's labelling
+        self.tokenizer.model_max_length = int(1e30)
         self.pad_id, self.limit = pad_id, limit
 
     def __call__(self, clean, words=None):
