@@ -1,6 +1,6 @@
 """Where a pretrained checkpoint (``model.pretrained``, ``model.init_from``) comes from, checked without torch or
 transformers: a local folder in the ``save_pretrained`` layout, or a hub id in the Hugging Face cache or on a hub
-that answers. The command line asks this before it starts anything, so that an offline machine hears in a second
+that answers. The command line asks this before it starts anything, so that an offline machine hears within seconds
 that a hub id is missing, not after the servers have started.
 
     from training.models.hub import check_source
