@@ -71,8 +71,21 @@ def check_teachers(distill: DistillConfig, labels: list[str] | None = None) -> N
             check_teacher_labels(teacher, served_labels(info.signature.outputs.input_names()), labels)
 
 
+def transfer_digest(prepared_dir: str) -> str:
+    """The digest of what a teacher reads in a prepared folder: its label order and every split's texts (as served and
+    cleaned) and labels, row by row. Two folders of the same texts (another student's sizes, say) share the teacher's
+    probabilities instead of labelling the same texts again (a transformer teacher: half an hour)."""
+    h = hashlib.sha256(json.dumps(load_manifest(prepared_dir)["labels"], ensure_ascii=False).encode())
+    for split in SPLITS:
+        frame = transfer_texts(prepared_dir, split)
+        for column in ("text", "clean"):
+            h.update("\0".join(frame[column]).encode() + b"\1")
+        h.update(np.load(Path(prepared_dir) / f"{split}.labels.npy").astype(np.int64).tobytes() + b"\2")
+    return h.hexdigest()
+
+
 def _teacher_cache_key(ctx, params: dict) -> str:
-    return "zhflow-teacher-" + hashlib.sha256(f"{params['identity']}|{params['prepared_dir']}".encode()).hexdigest()[:32]
+    return "zhflow-teacher-" + hashlib.sha256(f"{params['identity']}|{params['texts']}".encode()).hexdigest()[:32]
 
 
 class _Labelling:
@@ -102,11 +115,13 @@ class _Labelling:
 
 
 @task(name="teacher-probabilities", persist_result=True, cache_policy=CacheKeyFnPolicy(cache_key_fn=_teacher_cache_key))
-def teacher_probabilities(teacher: str, identity: str, prepared_dir: str, out_dir: str, config: PipelineConfig,
-                          trained_checkpoint: str | None = None, teacher_dir: str | None = None) -> dict:
+def teacher_probabilities(teacher: str, identity: str, prepared_dir: str, texts: str, out_dir: str,
+                          config: PipelineConfig, trained_checkpoint: str | None = None,
+                          teacher_dir: str | None = None) -> dict:
     """One teacher's probabilities for every row of each split of the student's folder ``prepared_dir`` (train: the
-    transfer set), saved as .npy in ``out_dir``; cached on (teacher identity, that folder): a second run with the same
-    teacher reads them. ``teacher_dir``: the folder the trained teacher was trained on (its vocabularies)."""
+    transfer set), saved as .npy in ``out_dir``; cached on (teacher identity, the folder's ``transfer_digest``
+    ``texts``): a second run with the same teacher and texts reads them. ``teacher_dir``: the folder the trained
+    teacher was trained on (its vocabularies)."""
     manifest = load_manifest(prepared_dir)
     labels = manifest["labels"]
     out = Path(out_dir)
@@ -160,14 +175,15 @@ def teachers(config: PipelineConfig, prepared: dict, parent: dict, trained_check
     labels = load_manifest(prepared["path"])["labels"]
     check_teachers(config.distill, labels)
     root = work_root() / "teachers"
+    texts = transfer_digest(prepared["path"])
     got = []
     for teacher in config.distill.teacher:
         identity = teacher_identity(teacher, trained_checkpoint, config)
-        key = _teacher_cache_key(None, {"identity": identity, "prepared_dir": prepared["path"]})
+        key = _teacher_cache_key(None, {"identity": identity, "texts": texts})
         folder = root / key
         fresh = not all((folder / f"{s}.npy").is_file() for s in SPLITS)  # the files are gone: the cache entry is stale
         state = teacher_probabilities.with_options(refresh_cache=fresh)(
-            teacher, identity, prepared["path"], str(folder), config, trained_checkpoint,
+            teacher, identity, prepared["path"], texts, str(folder), config, trained_checkpoint,
             (teacher_prepared or prepared)["path"], return_state=True)
         result = state.result()
         got.append(result | {"cached": state.name == "Cached"})

@@ -90,6 +90,23 @@ def test_the_baseline_teacher_is_cross_fitted_on_train_only(prepared):
     assert not (val_only & seen)
 
 
+def test_folders_of_the_same_texts_share_the_teachers_probabilities_and_other_texts_or_labels_do_not(prepared, tmp_path):
+    """The teacher cache is keyed on what the teacher reads: another student's folder of the same texts (more n-gram
+    buckets, say) reads the probabilities a transformer teacher took half an hour to give; a changed label does not."""
+    import shutil
+
+    from tasks.distill import transfer_digest
+
+    other = shutil.copytree(prepared, tmp_path / "other-student")
+    for vocab in other.glob("*vocab*"):  # what a student's sizes change: not what the teacher reads
+        vocab.unlink() if vocab.is_file() else shutil.rmtree(vocab)
+    assert transfer_digest(str(other)) == transfer_digest(str(prepared))
+    labels = np.load(other / "test.labels.npy")
+    labels[0] = 1 - labels[0]
+    np.save(other / "test.labels.npy", labels)
+    assert transfer_digest(str(other)) != transfer_digest(str(prepared))
+
+
 def test_a_served_teacher_is_read_in_this_datas_label_order_and_other_labels_are_refused():
     def predict(frame):
         n = len(frame)
