@@ -114,6 +114,13 @@ class _Labelling:
         update_progress_artifact(self.artifact, progress=round(100 * self.done / self.total, 1))
 
 
+def _served(predict, teacher: str, prepared_dir: str, labels: list[str]) -> dict[str, np.ndarray]:
+    """A served teacher's probabilities for every split's texts, its progress shown as it labels."""
+    texts = {split: transfer_texts(prepared_dir, split)["text"].tolist() for split in SPLITS}
+    progress = _Labelling(teacher, sum(map(len, texts.values())))
+    return {split: pyfunc_teacher(predict, teacher, texts[split], labels, progress=progress) for split in SPLITS}
+
+
 @task(name="teacher-probabilities", persist_result=True, cache_policy=CacheKeyFnPolicy(cache_key_fn=_teacher_cache_key))
 def teacher_probabilities(teacher: str, identity: str, prepared_dir: str, texts: str, out_dir: str,
                           config: PipelineConfig, trained_checkpoint: str | None = None,
@@ -136,11 +143,7 @@ def teacher_probabilities(teacher: str, identity: str, prepared_dir: str, texts:
             # faster, checked on validation texts (m3e-small on an AMD EPYC with AVX-512 bf16: 1.75x the texts/s of fp32)
             info["precision"], measured = serving_precision(classifier, transfer_texts(prepared_dir, "val")["text"].tolist()[:512])
             info |= {k: round(v, 4) for k, v in measured.items()}
-            texts = {split: transfer_texts(prepared_dir, split)["text"].tolist() for split in SPLITS}
-            progress = _Labelling(teacher, sum(map(len, texts.values())))
-            for split in SPLITS:
-                probs[split] = pyfunc_teacher(lambda frame: classifier.predict(None, frame), teacher, texts[split],
-                                              labels, progress=progress)
+            probs = _served(lambda frame: classifier.predict(None, frame), teacher, prepared_dir, labels)
     elif teacher == "baseline":
         y = np.load(Path(prepared_dir) / "train.labels.npy")
         probs["train"], info_fit, fitted = baseline_teacher(prepared_dir, y, len(labels), config.distill.teacher_folds,
@@ -149,11 +152,7 @@ def teacher_probabilities(teacher: str, identity: str, prepared_dir: str, texts:
         for split in ("val", "test"):
             probs[split] = fitted.predict_proba(transfer_texts(prepared_dir, split)["clean"].tolist()).astype(np.float32)
     else:
-        model = mlflow.pyfunc.load_model(teacher)
-        texts = {split: transfer_texts(prepared_dir, split)["text"].tolist() for split in SPLITS}
-        progress = _Labelling(teacher, sum(map(len, texts.values())))
-        for split in SPLITS:
-            probs[split] = pyfunc_teacher(model.predict, teacher, texts[split], labels, progress=progress)
+        probs = _served(mlflow.pyfunc.load_model(teacher).predict, teacher, prepared_dir, labels)
     paths = {}
     for split, p in probs.items():
         paths[split] = str(out / f"{split}.npy")
