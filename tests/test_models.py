@@ -1,5 +1,6 @@
 import math
 import pytest
+import numpy as np
 import torch
 
 from training.config import ModelConfig
@@ -223,6 +224,43 @@ def test_fasttext_weighs_features_by_the_train_splits_idf_and_old_checkpoints_we
     again = build_model(cfg, {"word": 6, "char": 5}, num_classes=2)
     again.load_state_dict(old)
     assert torch.allclose(again.encoders["word"](tokens), plain, atol=1e-6)
+
+
+def test_fasttext_sublinear_tf_and_min_df_give_scikit_learns_tfidf_vector():
+    """model.sublinear_tf and model.min_df: with one-hot tables the text's vector is scikit-learn's TF-IDF vector of its
+    tokens and n-grams (sublinear tf, smoothed idf, L2 norm over distinct features), features in fewer than min_df
+    train texts left out of both; a feature's repeats no longer add linearly."""
+    from sklearn.feature_extraction.text import TfidfTransformer
+
+    from training.models.fasttext import ngram_ids
+
+    buckets, vocab = 13, 6
+    cfg = ModelConfig(name="fasttext", input="word", embed_dim=vocab + buckets + 1, ngrams=2, buckets=buckets,
+                      dropout=0.0, sublinear_tf=True, min_df=2)
+    model = build_model(cfg, {"word": vocab, "char": 5}, num_classes=2)
+    encoder = model.encoders["word"]
+    tokens = torch.tensor([[2, 3, 2, 2, 0], [3, 4, 0, 0, 0], [2, 2, 2, 5, 0], [5, 3, 2, 2, 3]])
+    with torch.no_grad():  # one-hot tables: the text's vector is its feature vector (tokens, then n-gram rows)
+        encoder.embedding.weight.copy_(torch.eye(vocab, cfg.embed_dim))
+        encoder.ngrams.weight.copy_(torch.cat([torch.zeros(buckets + 1, vocab), torch.eye(buckets + 1)], 1))
+    encoder.fit_weights([tokens])
+    counts = torch.zeros(len(tokens), cfg.embed_dim)
+    bigrams = ngram_ids(tokens, 2, buckets)
+    for i in range(len(tokens)):
+        for t in tokens[i][tokens[i] != 0]:
+            counts[i, t] += 1
+        for b in bigrams[i][bigrams[i] != 0]:
+            counts[i, vocab + b] += 1
+    df = (counts > 0).sum(0)
+    kept = (df >= 2).numpy()
+    expected = TfidfTransformer(sublinear_tf=True).fit_transform(counts[:, kept].numpy()).toarray()
+    got = encoder(tokens).detach().numpy()
+    assert not got[:, ~kept].any()  # token 4 (in one text) and every bigram seen once
+    np.testing.assert_allclose(got[:, kept], expected, atol=1e-6)
+    raw = build_model(cfg.model_copy(update={"sublinear_tf": False, "min_df": 1}), {"word": vocab, "char": 5}, 2)
+    raw.load_state_dict(model.state_dict())
+    raw.encoders["word"].fit_weights([tokens])
+    assert not np.allclose(raw.encoders["word"](tokens).detach().numpy(), got, atol=1e-3)
 
 
 def test_fasttext_starts_as_the_nearest_centroid_classifier_of_the_train_split():

@@ -100,10 +100,13 @@ def test_train_pipeline_end_to_end(prefect_server, mlflow_store, tmp_path):
     assert (predicted[["prob_negative", "prob_positive"]].sum(axis=1) - 1).abs().max() < 1e-5
 
     # a second run with the same data reuses the prepared folder; the alias moves only on a win.
-    # fastText (the default preset's family), structurally pruned: a smaller model through the same registration path
-    cfg = apply_overrides(preset("tiny", "fasttext"), ["train.epochs=1", "prune.finetune_epochs=0", "prune.method=structured"])
+    # fastText (the default preset's family), structurally pruned: a smaller model through the same registration path,
+    # its TF-IDF settings (sublinear counts, features of one train text left out) kept by the pruned and served model
+    cfg = apply_overrides(preset("tiny", "fasttext"), ["train.epochs=1", "prune.finetune_epochs=0", "prune.method=structured",
+                                                       "model.sublinear_tf=true", "model.min_df=2"])
     second = train_pipeline(config=cfg, experiment="e2e")
-    assert client.get_run(second["parent_run_id"]).data.params["model.name"] == "fasttext"
+    params = client.get_run(second["parent_run_id"]).data.params
+    assert params["model.name"] == "fasttext" and params["model.sublinear_tf"] == "True" and params["model.min_df"] == "2"
     # left to zhflow, fastText trains in one process with every core's threads (its steps are too short for DDP)
     assert client.get_run(second["stage_runs"]["train"]).data.params["nproc_resolved"] == "1"
     small = mlflow.pyfunc.load_model(f"models:/{model['name']}/2")

@@ -153,6 +153,15 @@ class ModelConfig(_Section):
         description="fasttext: each feature weighs its inverse document frequency in the train split, as in TF-IDF "
                     "(off: every feature weighs 1).",
     )
+    sublinear_tf: bool = Field(
+        False, title="Sublinear term frequency",
+        description="fasttext: a feature that occurs c times in a text counts 1 + ln(c) times, not c (TF-IDF's "
+                    "sublinear_tf), and the text's vector is over the L2 norm of its distinct features' weights.",
+    )
+    min_df: int = Field(
+        1, ge=1, le=1_000_000, title="Min document frequency",
+        description="fasttext: a token or n-gram in fewer train texts than this weighs 0 (TF-IDF's min_df).",
+    )
     init: Literal["zeros", "centroids"] = Field(
         "zeros", title="Initialisation",
         description="fasttext: how the tables and the classifier start. zeros: tables at zero, the classifier at "

@@ -47,6 +47,7 @@ class FastTextEncoder(nn.Module):
         super().__init__()
         self.max_positions = max_positions  # no position table: the limit only travels with the model
         self.orders, self.buckets = cfg.ngrams, cfg.buckets
+        self.sublinear, self.min_df = cfg.sublinear_tf, cfg.min_df
         self.embedding = make_embedding(vocab_size, cfg.embed_dim)
         self.ngrams = make_embedding(cfg.buckets + 1, cfg.embed_dim) if cfg.ngrams > 1 else None
         for table in (self.embedding, self.ngrams):
@@ -74,11 +75,30 @@ class FastTextEncoder(nn.Module):
         for n in range(2, self.orders + 1):
             yield self.ngrams, ngram_ids(tokens, n, self.buckets), self.ngram_weight
 
+    def weighted(self, tokens: torch.Tensor):
+        """``([(table, ids, weights)] of every order of feature, squared norm)``: each occurrence's weight in the text's
+        vector before the norm, and the square of that norm (batch,). Raw counts: a feature that occurs c times adds
+        its weight c times, and the norm is over the occurrences' weights. ``model.sublinear_tf``: each occurrence
+        weighs ``(1 + ln c) / c`` of the feature's weight (the feature adds ``1 + ln c`` times it, as TF-IDF's
+        sublinear tf), and the norm is over the distinct features' weights (the TF-IDF vector's L2 norm)."""
+        parts, norm = [], 0.0
+        for table, ids, weight in self.features(tokens):
+            w = weight[ids]  # padding weighs 0
+            if self.sublinear:
+                ranked = ids.sort(1).values
+                c = (torch.searchsorted(ranked, ids, right=True) - torch.searchsorted(ranked, ids)).to(w.dtype)
+                w = w * (1.0 + torch.log(c)) / c
+                norm = norm + (w.square() * c).sum(1)  # each distinct feature once: (c w)^2 over its c occurrences
+            else:
+                norm = norm + w.square().sum(1)
+            parts.append((table, ids, w))
+        return parts, norm
+
     @torch.no_grad()
     def fit_weights(self, batches) -> None:
         """Each feature's inverse document frequency over the texts of ``batches`` (right-padded token ids), as
-        scikit-learn's smoothed idf, ``ln((1 + n) / (1 + df)) + 1``; a feature no text had weighs 0, as one outside a
-        TF-IDF vocabulary (its vector is zero anyway: it only stays out of the text's norm)."""
+        scikit-learn's smoothed idf, ``ln((1 + n) / (1 + df)) + 1``; a feature no text had, or fewer than
+        ``model.min_df``, weighs 0, as one outside a TF-IDF vocabulary (it stays out of the text's vector and norm)."""
         tables = {"token_weight": self.token_weight.numel()}
         if self.ngrams is not None:
             tables["ngram_weight"] = self.ngram_weight.numel()
@@ -93,16 +113,15 @@ class FastTextEncoder(nn.Module):
                 df[name] += torch.bincount(once, minlength=size).double()
         for name, counts in df.items():
             idf = torch.log((1.0 + texts) / (1.0 + counts)) + 1.0
-            idf[counts == 0] = 0.0
+            idf[counts < max(self.min_df, 1)] = 0.0
             idf[0] = 0.0  # padding
             getattr(self, name).copy_(idf.to(getattr(self, name).dtype))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        total, norm = 0.0, 0.0
-        for table, ids, weight in self.features(tokens):
-            w = weight[ids]  # padding weighs 0
+        total = 0.0
+        parts, norm = self.weighted(tokens)
+        for table, ids, w in parts:
             total = total + torch.bmm(w.unsqueeze(1).to(table.weight.dtype), table(ids)).squeeze(1)
-            norm = norm + w.square().sum(1)
         return total / norm.clamp(min=1e-12).sqrt().unsqueeze(1).to(total.dtype)
 
 
@@ -127,11 +146,11 @@ def _feature_rows(model: nn.Module, batches):
             rows = encoder.embedding.num_embeddings  # the n-gram table's rows follow the tokens'
             size = rows + (encoder.ngrams.num_embeddings if encoder.ngrams is not None else 0)
             ids, weights = [], []
-            for table, idx, weight in encoder.features(batch[name][keep]):
+            occurrences, norm = encoder.weighted(batch[name][keep])
+            for table, idx, weight in occurrences:
                 ids.append(idx + (0 if table is encoder.embedding else rows))
-                weights.append(weight[idx].double())
-            w = torch.cat(weights, 1)
-            w = w / w.square().sum(1, keepdim=True).sqrt().clamp(min=1e-12)
+                weights.append(weight.double())
+            w = torch.cat(weights, 1) / norm.double().sqrt().clamp(min=1e-12).unsqueeze(1)
             n = w.size(0)
             part = sp.csr_matrix((w.flatten().numpy(), (np.repeat(np.arange(n), w.size(1)), torch.cat(ids, 1).flatten().numpy())),
                                  shape=(n, size))
@@ -142,18 +161,46 @@ def _feature_rows(model: nn.Module, batches):
     return {name: sp.vstack(p, format="csr") for name, p in parts.items()}, np.concatenate(labels_kept)
 
 
+def _factor(model: nn.Module, blocks: dict, bias, scale: float = 1.0) -> None:
+    """Set each input's tables and its columns of the classifier to the factors of its block of a linear map
+    (``blocks[input]``: classes x the input's token and n-gram rows, sparse or dense), and the classifier's bias.
+
+    A text's vector is ``E^T x`` (x: its features' weights over their norm, one vector per input, side by side before
+    the classifier) and its logits ``W E^T x + b``. Each block M is factored as ``U S V^T`` (through the eigenvectors
+    of ``M M^T``, classes x classes), its tables set to ``V S^1/2`` and its classifier columns to ``U S^1/2``, both
+    times ``scale``: the logits are ``scale^2 M x + b`` exactly while the classes are at most ``model.embed_dim``, and
+    the best rank-``embed_dim`` approximation beyond. Dimensions left over keep zero tables and the classifier's random
+    start, as without."""
+    import numpy as np
+    import scipy.sparse as sp
+
+    weight, column = model.classifier.weight, 0
+    for name, encoder in model.encoders.items():
+        m = blocks[name]
+        gram = m @ m.T
+        values, vectors = np.linalg.eigh(gram.toarray() if sp.issparse(gram) else np.asarray(gram))
+        order = np.argsort(values)[::-1]
+        k = min(encoder.out_dim, int((values > 1e-9 * max(values.max(), 1e-30)).sum()))
+        s, u = np.sqrt(values[order[:k]]), vectors[:, order[:k]]
+        tables = torch.from_numpy(np.asarray(m.T @ u) * (scale / np.sqrt(s))).to(weight.dtype)  # V S^1/2
+        rows = encoder.embedding.num_embeddings
+        encoder.embedding.weight[:, :k] = tables[:rows]
+        encoder.embedding.weight[:, k:] = 0
+        if encoder.ngrams is not None:
+            encoder.ngrams.weight[:, :k] = tables[rows:]
+            encoder.ngrams.weight[:, k:] = 0
+        weight[:, column:column + k] = torch.from_numpy(u * np.sqrt(s) * scale).to(weight.dtype)
+        column += encoder.out_dim
+    model.classifier.bias.copy_(torch.as_tensor(bias, dtype=weight.dtype))
+
+
 @torch.no_grad()
 def centroid_init(model: nn.Module, batches) -> None:
-    """Start ``model`` (a TextClassifier of FastTextEncoders) as the nearest-centroid classifier of the train split.
-
-    A text's vector is ``E^T x`` (x: its features' weights over their L2 norm, one vector per input, side by side
-    before the classifier) and its logits ``W E^T x``. With M the classes' mean vectors x, each row scaled to unit
-    length over all inputs, each input's block of M is factored as ``U S V^T`` (through the eigenvectors of
-    ``M M^T``, classes x classes: M is never dense), its tables set to ``V S^1/2`` and its classifier columns to
-    ``U S^1/2``, both times CENTROID_SCALE. The logits are then the centroid classifier's scores (the cosine of the
-    text and each class's mean) exactly while the classes are at most ``model.embed_dim``, and their best
-    rank-``embed_dim`` approximation beyond. Dimensions left over keep zero tables and the classifier's random start,
-    as without. ``batches``: (token ids by input, labels); texts labelled below 0 (unlabelled) are left out."""
+    """Start ``model`` (a TextClassifier of FastTextEncoders) as the nearest-centroid classifier of the train split:
+    :func:`_factor` of the classes' mean vectors x, each row scaled to unit length over all inputs, times
+    CENTROID_SCALE; the logits are then the centroid classifier's scores (the cosine of the text and each class's mean,
+    times CENTROID_SCALE^2). ``batches``: (token ids by input, labels); texts labelled below 0 (unlabelled) are left
+    out."""
     import numpy as np
     import scipy.sparse as sp
 
@@ -165,23 +212,7 @@ def centroid_init(model: nn.Module, batches) -> None:
     means = {name: sp.diags(1.0 / np.maximum(np.asarray(onehot.sum(1)).ravel(), 1)) @ onehot @ m for name, m in x.items()}
     norms = np.sqrt(sum(np.asarray(m.multiply(m).sum(1)).ravel() for m in means.values()))
     unit = sp.diags(1.0 / np.maximum(norms, 1e-12))
-    weight, column = model.classifier.weight, 0
-    for name, encoder in model.encoders.items():
-        m = (unit @ means[name]).tocsr()
-        values, vectors = np.linalg.eigh((m @ m.T).toarray())
-        order = np.argsort(values)[::-1]
-        k = min(encoder.out_dim, int((values > 1e-9 * max(values.max(), 1e-30)).sum()))
-        s, u = np.sqrt(values[order[:k]]), vectors[:, order[:k]]
-        tables = torch.from_numpy(np.asarray(m.T @ u) * (CENTROID_SCALE / np.sqrt(s))).to(weight.dtype)  # V S^1/2
-        rows = encoder.embedding.num_embeddings
-        encoder.embedding.weight[:, :k] = tables[:rows]
-        encoder.embedding.weight[:, k:] = 0
-        if encoder.ngrams is not None:
-            encoder.ngrams.weight[:, :k] = tables[rows:]
-            encoder.ngrams.weight[:, k:] = 0
-        weight[:, column:column + k] = torch.from_numpy(u * np.sqrt(s) * CENTROID_SCALE).to(weight.dtype)
-        column += encoder.out_dim
-    model.classifier.bias.zero_()
+    _factor(model, {name: (unit @ m).tocsr() for name, m in means.items()}, np.zeros(classes), CENTROID_SCALE)
 
 
 class FastText(ScratchFamily):
@@ -195,6 +226,8 @@ class FastText(ScratchFamily):
         "model.embed_dim": {"choices": [16, 32, 64]},
         "model.ngrams": {"choices": [2, 3, 4]},
         "model.idf": {"choices": [True, False]},
+        "model.sublinear_tf": {"choices": [True, False]},
+        "model.min_df": {"choices": [1, 2]},
         "model.init": {"choices": ["centroids", "zeros"]},
         "model.dropout": {"low": 0.0, "high": 0.5},
         "train.lr": {"low": 1e-3, "high": 2e-2, "log": True},
