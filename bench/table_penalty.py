@@ -2,9 +2,11 @@
 batches with the penalty and without, interleaved, in one process with the machine's threads (as a default run trains
 fastText on CPU), on the built-in corpus or a dataset of bench/datasets.py. The penalty moves every row of the tables
 that a step has touched so far: on a few hundred texts a few thousand rows, on the built-in corpus most of each
-262,145-row n-gram table, stepped whole (``training.worker.RowSparseAdam``).
+262,145-row n-gram table, stepped whole (``training.worker.RowSparseAdam``). With ``--other KEY=VALUE`` it times
+those settings against the same without them instead (both without the penalty), e.g. ``model.sublinear_tf=true``.
 
     python -m bench.table_penalty [DATASET] [--steps 200] [--l2 0.2] [--set model.embed_dim=64 ...]
+    python -m bench.table_penalty --other model.sublinear_tf=true --other model.min_df=2
 """
 
 from __future__ import annotations
@@ -62,23 +64,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--l2", type=float, default=0.2)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a setting of the default preset")
+    parser.add_argument("--other", action="append", default=[], metavar="KEY=VALUE",
+                        help="time these settings against the same without them, instead of the penalty")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     cfg = apply_overrides(preset("default"), [f"data.dataset={dataset(args.dataset)}", *args.set])
+    arms = {"train.l2=0": (cfg, 0.0)}  # name: (settings, penalty)
+    if args.other:
+        arms[" ".join(args.other)] = (apply_overrides(cfg, args.other), 0.0)
+    else:
+        arms[f"train.l2={args.l2:g}"] = (cfg, args.l2)
     with tempfile.TemporaryDirectory() as tmp:
         prepared = Path(tmp) / "prepared"
-        prepare_dataset(cfg.data, cfg.preprocess, prepared, progress=False)
-        runs: dict[float, list[float]] = {0.0: [], args.l2: []}
+        prepare_dataset(cfg.data, cfg.preprocess, prepared, progress=False)  # the other settings are the model's
+        runs: dict[str, list[float]] = {name: [] for name in arms}
         shares = {}
         for _ in range(2):  # interleaved: each setting twice, the steps after the first 20 of each
-            for l2 in runs:
-                times, shares[l2] = step_times(prepared, cfg, l2, args.steps)
-                runs[l2] += times[20:]
-    base, penalised = (1000 * float(np.median(runs[k])) for k in runs)
+            for name, (settings, l2) in arms.items():
+                times, shares[name] = step_times(prepared, settings, l2, args.steps)
+                runs[name] += times[20:]
+    (base_name, base), (other_name, other) = ((k, 1000 * float(np.median(v))) for k, v in runs.items())
+    active = f", tables' rows active at the end {100 * shares[other_name]:.0f}%" if not args.other else ""
     print(f"{machine()}; {args.dataset}, {cfg.model.name} (embed_dim {cfg.model.embed_dim}, input {cfg.model.input}), "
-          f"batch {cfg.train.batch_size}, {torch.get_num_threads()} threads: train.l2=0 {base:.1f} ms a step, "
-          f"train.l2={args.l2:g} {penalised:.1f} ms ({penalised / base:.2f}x), tables' rows active at the end "
-          f"{100 * shares[args.l2]:.0f}%")
+          f"batch {cfg.train.batch_size}, {torch.get_num_threads()} threads: {base_name} {base:.1f} ms a step, "
+          f"{other_name} {other:.1f} ms ({other / base:.2f}x){active}")
 
 
 if __name__ == "__main__":
