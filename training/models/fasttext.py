@@ -161,46 +161,18 @@ def _feature_rows(model: nn.Module, batches):
     return {name: sp.vstack(p, format="csr") for name, p in parts.items()}, np.concatenate(labels_kept)
 
 
-def _factor(model: nn.Module, blocks: dict, bias, scale: float = 1.0) -> None:
-    """Set each input's tables and its columns of the classifier to the factors of its block of a linear map
-    (``blocks[input]``: classes x the input's token and n-gram rows, sparse or dense), and the classifier's bias.
-
-    A text's vector is ``E^T x`` (x: its features' weights over their norm, one vector per input, side by side before
-    the classifier) and its logits ``W E^T x + b``. Each block M is factored as ``U S V^T`` (through the eigenvectors
-    of ``M M^T``, classes x classes), its tables set to ``V S^1/2`` and its classifier columns to ``U S^1/2``, both
-    times ``scale``: the logits are ``scale^2 M x + b`` exactly while the classes are at most ``model.embed_dim``, and
-    the best rank-``embed_dim`` approximation beyond. Dimensions left over keep zero tables and the classifier's random
-    start, as without."""
-    import numpy as np
-    import scipy.sparse as sp
-
-    weight, column = model.classifier.weight, 0
-    for name, encoder in model.encoders.items():
-        m = blocks[name]
-        gram = m @ m.T
-        values, vectors = np.linalg.eigh(gram.toarray() if sp.issparse(gram) else np.asarray(gram))
-        order = np.argsort(values)[::-1]
-        k = min(encoder.out_dim, int((values > 1e-9 * max(values.max(), 1e-30)).sum()))
-        s, u = np.sqrt(values[order[:k]]), vectors[:, order[:k]]
-        tables = torch.from_numpy(np.asarray(m.T @ u) * (scale / np.sqrt(s))).to(weight.dtype)  # V S^1/2
-        rows = encoder.embedding.num_embeddings
-        encoder.embedding.weight[:, :k] = tables[:rows]
-        encoder.embedding.weight[:, k:] = 0
-        if encoder.ngrams is not None:
-            encoder.ngrams.weight[:, :k] = tables[rows:]
-            encoder.ngrams.weight[:, k:] = 0
-        weight[:, column:column + k] = torch.from_numpy(u * np.sqrt(s) * scale).to(weight.dtype)
-        column += encoder.out_dim
-    model.classifier.bias.copy_(torch.as_tensor(bias, dtype=weight.dtype))
-
-
 @torch.no_grad()
 def centroid_init(model: nn.Module, batches) -> None:
-    """Start ``model`` (a TextClassifier of FastTextEncoders) as the nearest-centroid classifier of the train split:
-    :func:`_factor` of the classes' mean vectors x, each row scaled to unit length over all inputs, times
-    CENTROID_SCALE; the logits are then the centroid classifier's scores (the cosine of the text and each class's mean,
-    times CENTROID_SCALE^2). ``batches``: (token ids by input, labels); texts labelled below 0 (unlabelled) are left
-    out."""
+    """Start ``model`` (a TextClassifier of FastTextEncoders) as the nearest-centroid classifier of the train split.
+
+    A text's vector is ``E^T x`` (x: its features' weights over their L2 norm, one vector per input, side by side
+    before the classifier) and its logits ``W E^T x``. With M the classes' mean vectors x, each row scaled to unit
+    length over all inputs, each input's block of M is factored as ``U S V^T`` (through the eigenvectors of
+    ``M M^T``, classes x classes: M is never dense), its tables set to ``V S^1/2`` and its classifier columns to
+    ``U S^1/2``, both times CENTROID_SCALE. The logits are then the centroid classifier's scores (the cosine of the
+    text and each class's mean) exactly while the classes are at most ``model.embed_dim``, and their best
+    rank-``embed_dim`` approximation beyond. Dimensions left over keep zero tables and the classifier's random start,
+    as without. ``batches``: (token ids by input, labels); texts labelled below 0 (unlabelled) are left out."""
     import numpy as np
     import scipy.sparse as sp
 
@@ -212,7 +184,23 @@ def centroid_init(model: nn.Module, batches) -> None:
     means = {name: sp.diags(1.0 / np.maximum(np.asarray(onehot.sum(1)).ravel(), 1)) @ onehot @ m for name, m in x.items()}
     norms = np.sqrt(sum(np.asarray(m.multiply(m).sum(1)).ravel() for m in means.values()))
     unit = sp.diags(1.0 / np.maximum(norms, 1e-12))
-    _factor(model, {name: (unit @ m).tocsr() for name, m in means.items()}, np.zeros(classes), CENTROID_SCALE)
+    weight, column = model.classifier.weight, 0
+    for name, encoder in model.encoders.items():
+        m = (unit @ means[name]).tocsr()
+        values, vectors = np.linalg.eigh((m @ m.T).toarray())
+        order = np.argsort(values)[::-1]
+        k = min(encoder.out_dim, int((values > 1e-9 * max(values.max(), 1e-30)).sum()))
+        s, u = np.sqrt(values[order[:k]]), vectors[:, order[:k]]
+        tables = torch.from_numpy(np.asarray(m.T @ u) * (CENTROID_SCALE / np.sqrt(s))).to(weight.dtype)  # V S^1/2
+        rows = encoder.embedding.num_embeddings
+        encoder.embedding.weight[:, :k] = tables[:rows]
+        encoder.embedding.weight[:, k:] = 0
+        if encoder.ngrams is not None:
+            encoder.ngrams.weight[:, :k] = tables[rows:]
+            encoder.ngrams.weight[:, k:] = 0
+        weight[:, column:column + k] = torch.from_numpy(u * np.sqrt(s) * CENTROID_SCALE).to(weight.dtype)
+        column += encoder.out_dim
+    model.classifier.bias.zero_()
 
 
 class FastText(ScratchFamily):
