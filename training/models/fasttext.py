@@ -113,7 +113,7 @@ class FastTextEncoder(nn.Module):
                 df[name] += torch.bincount(once, minlength=size).double()
         for name, counts in df.items():
             idf = torch.log((1.0 + texts) / (1.0 + counts)) + 1.0
-            idf[counts < max(self.min_df, 1)] = 0.0
+            idf[counts < self.min_df] = 0.0  # min_df is at least 1: a feature no text had weighs 0
             idf[0] = 0.0  # padding
             getattr(self, name).copy_(idf.to(getattr(self, name).dtype))
 
